@@ -1,0 +1,67 @@
+"""The `batchgen` command line: one entry point, subcommands loaded lazily.
+
+Each package owns its commands; this module only maps names to them, so `batchgen sql` does not
+import torch and a broken optional piece cannot take the whole CLI down.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name -> "module:attribute" of a click.Command
+COMMANDS: dict[str, str] = {
+    "models": "engine.cli:models",
+    "bench": "engine.cli:bench",
+    "sweep": "engine.sweep:sweep",
+    "sql": "jobs.store.cli:sql",
+    "run": "jobs.commands:run",
+    "submit": "jobs.commands:submit",
+    "worker": "jobs.commands:worker",
+    "status": "jobs.commands:status",
+    "cancel": "jobs.commands:cancel",
+    "retry": "jobs.commands:retry",
+    "dashboard": "dashboard.cli:dashboard",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module_name, attr = target.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and (exc.name == module_name or module_name.startswith(exc.name + ".")):
+                return _unavailable(name, f"{module_name} is not built yet")
+            raise
+        return getattr(module, attr)
+
+
+def _unavailable(name: str, why: str) -> click.Command:
+    @click.command(name=name, context_settings={"ignore_unknown_options": True})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def cmd(args: tuple[str, ...]) -> None:
+        raise click.UsageError(f"`batchgen {name}` is unavailable: {why}")
+
+    return cmd
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="batchgen")
+def cli() -> None:
+    """batchgen: offline batch generation over Parquet prompts."""
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()
