@@ -12,8 +12,8 @@ import click
 
 # name -> "module:attribute" of a click.Command
 COMMANDS: dict[str, str] = {
-    "models": "engine.cli:models",
-    "bench": "engine.cli:bench",
+    "models": "engine.registry:models",
+    "bench": "engine.bench:bench",
     "sweep": "engine.sweep:sweep",
     "sql": "jobs.store.cli:sql",
     "run": "jobs.commands:run",
