@@ -1,0 +1,215 @@
+"""Iteration-level scheduler: decides, each step, which tokens of which sequences are computed.
+
+Invariant of every iteration: scheduled tokens <= max_num_batched_tokens (the token budget) and
+scheduled sequences <= max_num_seqs; a sequence is scheduled only if its KV blocks are allocated.
+There are no prefill or decode phases: each sequence's num_computed_tokens catches up with its
+num_tokens, one budget-sized piece at a time. No torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for it this iteration (1 for a decode)
+    is_decode: bool  # the one new token is its latest sampled token (not prompt or recompute work)
+
+
+@dataclass
+class SchedulerOutput:
+    """The iteration batch, as the model runner needs it and telemetry reports it."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # preempted (recompute) this step
+    rejected: list[Sequence] = field(default_factory=list)  # finished with an error: can never fit
+    prefix_cache_hit_tokens: int = 0  # prompt tokens taken from the prefix cache on admission
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class WaitingQueue:
+    """Waiting sequences in policy order: FCFS (arrival order, preempted ones first) or priority."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Sequence] = deque()
+        self._heap: list[tuple[tuple, Sequence]] = []
+
+    def __len__(self) -> int:
+        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
+
+    def __iter__(self):
+        return iter(self._fifo) if self.policy == "fcfs" else (s for _, s in sorted(self._heap))
+
+    def add(self, seq: Sequence) -> None:
+        if self.policy == "fcfs":
+            self._fifo.append(seq)
+        else:
+            heapq.heappush(self._heap, (seq.priority_key, seq))
+
+    def add_front(self, seq: Sequence) -> None:
+        """A preempted sequence: under FCFS it resumes before anything that arrived after it."""
+        if self.policy == "fcfs":
+            self._fifo.appendleft(seq)
+        else:
+            self.add(seq)
+
+    def peek(self) -> Sequence:
+        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][1]
+
+    def pop(self) -> Sequence:
+        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[1]
+
+    def remove(self, seq: Sequence) -> None:
+        if self.policy == "fcfs":
+            self._fifo.remove(seq)
+        else:
+            self._heap = [(k, s) for k, s in self._heap if s is not seq]
+            heapq.heapify(self._heap)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        self.max_num_seqs = config.max_num_seqs
+        self.token_budget = config.max_num_batched_tokens
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.policy = config.scheduling_policy
+        self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Sequence] = []  # admission order
+
+    # -- requests in and out
+    def add(self, seq: Sequence) -> None:
+        self.waiting.add(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Finish a sequence wherever it is (running, waiting) and release its blocks."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq, reason, error)
+
+    def _release(self, seq: Sequence, reason: str, error: str | None) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+
+    # -- the budget loop
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.token_budget)
+        if not out.preempted:  # a step that preempted admits nothing new
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._make_room(seq, n, out):
+                out.scheduled.append(ScheduledSequence(seq, n, _is_decode(seq, n)))
+                budget -= n
+        # a victim picked by priority may have been scheduled before it was preempted: undo that
+        kept = [s for s in out.scheduled if s.seq.status is SequenceStatus.RUNNING]
+        budget += out.num_scheduled_tokens - sum(s.num_new_tokens for s in kept)
+        out.scheduled = kept
+        return budget
+
+    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Allocate blocks for n more tokens of running `seq`, preempting others while they run out."""
+        bm = self.block_manager
+        while not bm.can_allocate(seq, n):
+            if len(self.running) == 1:  # alone and still too big: the whole cache cannot hold it
+                self._reject(seq, out, "the KV cache cannot hold this sequence: "
+                             f"{bm.blocks_needed(seq, n) + len(seq.block_table)} blocks needed, "
+                             f"{bm.num_blocks} in the cache")
+                return False
+            victim = self._pick_victim()
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        bm.allocate(seq, n)
+        return True
+
+    def _pick_victim(self) -> Sequence:
+        if self.policy == "priority":
+            return max(self.running, key=lambda s: s.priority_key)
+        return self.running[-1]  # FCFS: the latest admitted
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.stats.num_preemptions += 1
+        self.waiting.add_front(seq)
+        out.preempted.append(seq)
+
+    def _reject(self, seq: Sequence, out: SchedulerOutput, why: str) -> None:
+        """Finish a sequence that no amount of waiting would let fit (already out of its queue)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq, "error", why)
+        out.rejected.append(seq)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.peek()
+            if -(-seq.num_tokens // bm.block_size) > bm.num_blocks:
+                self.waiting.pop()
+                self._reject(seq, out, f"prompt needs {-(-seq.num_tokens // bm.block_size)} KV blocks, "
+                             f"the cache has {bm.num_blocks}")
+                continue
+            hit = bm.match_prefix(seq)
+            seq.num_computed_tokens = hit
+            n = min(seq.num_uncomputed_tokens, budget)
+            if (not self.chunked_prefill and n < seq.num_uncomputed_tokens) or not bm.can_allocate(seq, n):
+                bm.free(seq)  # give back matched prefix blocks; they stay cached
+                seq.num_computed_tokens = 0
+                break  # head of the queue waits: nothing behind it jumps ahead
+            bm.allocate(seq, n)
+            self.waiting.pop()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, n, _is_decode(seq, n)))
+            out.prefix_cache_hit_tokens += hit
+            budget -= n
+
+    # -- after the forward pass
+    def on_step_done(self, out: SchedulerOutput) -> list[Sequence]:
+        """Advance computed counts; return sequences that caught up and so get a sampled token."""
+        sampled = []
+        for s in out.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampled.append(seq)
+        return sampled
+
+
+def _is_decode(seq: Sequence, n: int) -> bool:
+    return n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens + 1 == seq.num_tokens
