@@ -1,0 +1,91 @@
+"""The per-step attention metadata that the model runner builds once and every layer shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's query tokens sit in the paged KV cache.
+
+    Sequences are ordered decodes first: the first `num_decodes` sequences contribute exactly one
+    query token each, the rest are prefill chunks. A chunk of `q_len` new tokens holds positions
+    `context_len - q_len .. context_len - 1` and attends causally to everything before it.
+    """
+
+    slot_mapping: torch.Tensor  # (T,) int64, block_id*block_size+offset per new token; -1 = do not store
+    query_start_loc: torch.Tensor  # (S+1,) int32, prefix sums of query tokens per sequence (cu_seqlens_q)
+    context_lens: torch.Tensor  # (S,) int32, tokens in the KV cache per sequence after this step's store
+    block_tables: torch.Tensor  # (S, max_blocks_per_seq) int32, padded with 0
+    num_decodes: int  # the first num_decodes sequences have exactly one query token each
+    num_decode_tokens: int  # == num_decodes
+    max_query_len: int  # longest query (chunk) length in this step
+    max_context_len: int  # longest context length in this step
+    query_lens_cpu: list[int]  # host copy of the query lengths: the CPU path never reads tensors
+    context_lens_cpu: list[int]  # host copy of context_lens
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in this step (decodes and prefill chunks)."""
+        return len(self.query_lens_cpu)
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    num_decodes: int | None = None,
+) -> AttentionMetadata:
+    """AttentionMetadata for sequences given as host lists (decodes first).
+
+    query_lens[s] new tokens of sequence s sit at positions context_lens[s] - query_lens[s] ..
+    context_lens[s] - 1; block_tables[s] lists its KV blocks in order. num_decodes defaults to
+    the number of leading sequences with one query token.
+    """
+    _check_lengths(query_lens, context_lens, block_tables, block_size)
+    if num_decodes is None:
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    slots = [
+        table[pos // block_size] * block_size + pos % block_size
+        for q_len, ctx_len, table in zip(query_lens, context_lens, block_tables, strict=True)
+        for pos in range(ctx_len - q_len, ctx_len)
+    ]
+    width = max((len(t) for t in block_tables), default=0) or 1
+    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(len(padded), width),
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        max_query_len=max(query_lens, default=0),
+        max_context_len=max(context_lens, default=0),
+        query_lens_cpu=list(query_lens),
+        context_lens_cpu=list(context_lens),
+    )
+
+
+def _check_lengths(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> None:
+    if not len(query_lens) == len(context_lens) == len(block_tables):
+        raise ValueError(
+            f"query_lens ({len(query_lens)}), context_lens ({len(context_lens)}) and block_tables "
+            f"({len(block_tables)}) must have one entry per sequence"
+        )
+    for s, (q_len, ctx_len, table) in enumerate(zip(query_lens, context_lens, block_tables, strict=True)):
+        if not 1 <= q_len <= ctx_len:
+            raise ValueError(f"sequence {s}: need 1 <= query_len <= context_len, got {q_len} and {ctx_len}")
+        if len(table) * block_size < ctx_len:
+            raise ValueError(
+                f"sequence {s}: {len(table)} blocks of {block_size} cannot hold context_len {ctx_len}"
+            )

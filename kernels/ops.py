@@ -1,0 +1,135 @@
+"""The one kernel dispatch the engine calls: Triton on CUDA tensors, the torch reference elsewhere.
+
+`BATCHGEN_KERNELS=torch|triton` (read at call time) or `set_backend(name)` forces one backend for
+every call; `auto` (or unset) picks by the tensor's device. Triton on CPU tensors runs only under
+the Triton interpreter (`TRITON_INTERPRET=1`, set before kernels are imported). The torch path is
+the CPU production path: every function here is vectorised and reads host-side lengths from the
+`*_cpu` lists of AttentionMetadata, never from tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.activation import silu_and_mul_ref
+from kernels.attention_decode import paged_decode_attention_ref
+from kernels.attention_prefill import paged_prefill_attention_ref
+from kernels.kv_cache import store_kv_cache_ref
+from kernels.metadata import AttentionMetadata
+from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+from kernels.rotary import make_cos_sin_cache, rotary_embedding_ref
+
+__all__ = [
+    "AttentionMetadata",
+    "fused_add_rms_norm",
+    "get_backend",
+    "make_cos_sin_cache",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "set_backend",
+    "silu_and_mul",
+    "store_kv_cache",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+_forced_backend: str | None = None  # set_backend() override; None defers to BATCHGEN_KERNELS
+
+
+def set_backend(name: str | None) -> None:
+    """Force `torch` or `triton` for every call (`auto` or None: back to BATCHGEN_KERNELS/device)."""
+    global _forced_backend
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS} or None, got {name!r}")
+    _forced_backend = None if name in (None, "auto") else name
+
+
+def get_backend(x: torch.Tensor) -> str:
+    """The backend a call on tensor x would use: 'torch' or 'triton'."""
+    name = _forced_backend or os.environ.get("BATCHGEN_KERNELS") or "auto"
+    if name == "auto":
+        return "triton" if x.is_cuda else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"BATCHGEN_KERNELS must be one of {BACKENDS}, got {name!r}")
+    if name == "triton" and not x.is_cuda:
+        _require_interpreter()
+    return name
+
+
+def _require_interpreter() -> None:
+    raise NotImplementedError("the Triton kernels are not written yet; use BATCHGEN_KERNELS=torch")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x (T, D), scaled by weight (D,)."""
+    return rms_norm_ref(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual_out = x + residual; returns (rms_norm(residual_out), residual_out)."""
+    return fused_add_rms_norm_ref(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (T, Hq, D) and k (T, Hkv, D) in place by positions (T,) int64; returns (q, k)."""
+    return rotary_embedding_ref(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
+    return silu_and_mul_ref(x)
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value (T, Hkv, D) into k_cache/v_cache (num_blocks, block_size, Hkv, D); slot -1 skips."""
+    store_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q (T, Hq, D) -> (T, Hq, D) for a mixed step: decodes first, then prefill chunks.
+
+    Every query token attends causally to its sequence's cached keys (this step's included:
+    store_kv_cache runs first). Query heads are grouped over KV heads (Hq a multiple of Hkv).
+    """
+    return _paged_attention_torch(q, k_cache, v_cache, meta, scale)
+
+
+def _paged_attention_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Decodes in one vectorised batch, prefill chunks one SDPA per sequence."""
+    num_decodes = meta.num_decodes
+    if num_decodes == len(meta.query_lens_cpu):
+        return _decode_torch(q, k_cache, v_cache, meta, num_decodes, scale)
+    chunks = paged_prefill_attention_ref(
+        q[num_decodes:], k_cache, v_cache, meta.block_tables[num_decodes:],
+        meta.query_lens_cpu[num_decodes:], meta.context_lens_cpu[num_decodes:], scale,
+    )
+    if num_decodes == 0:
+        return chunks
+    return torch.cat([_decode_torch(q[:num_decodes], k_cache, v_cache, meta, num_decodes, scale), chunks])
+
+
+def _decode_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    num_decodes: int, scale: float,
+) -> torch.Tensor:
+    max_context_len = max(meta.context_lens_cpu[:num_decodes])
+    return paged_decode_attention_ref(
+        q, k_cache, v_cache, meta.block_tables[:num_decodes], meta.context_lens[:num_decodes],
+        max_context_len, scale,
+    )
