@@ -45,6 +45,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # prefix-cache hashes of the full blocks known so far
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.stop_text: str | None = None  # output text cut before a matched stop string
+        self.logprobs: list[dict[int, float]] | None = None  # per output token, when asked for
         self.stats = RequestStats(arrival_ts=arrival_ts, prompt_tokens=self.num_prompt_tokens)
 
     # -- sizes

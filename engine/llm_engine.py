@@ -1,0 +1,257 @@
+"""LLMEngine: requests in, one iteration per `step()`, finished outputs and telemetry out.
+
+This is the streaming interface a long-lived worker drives (add requests any time, step until
+done); `engine.llm.LLM` wraps it for offline `generate()`. Per-iteration stats go to the stat
+loggers the caller registers; the engine itself keeps no per-step history.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model import ModelArgs, Transformer
+from engine.model_runner import DTYPES, ModelRunner, kv_block_bytes
+from engine.outputs import RequestOutput
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sequence import Sequence
+from engine.stats import IterationStats
+
+StatLogger = Callable[[IterationStats], None]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, checkpoint=None, stat_loggers: Seq[StatLogger] = ()) -> None:
+        """Load the model named by config.model (or use a loaded `checkpoint`), size the KV cache."""
+        self.config = config
+        if checkpoint is None:
+            from engine.loader import load_checkpoint
+            from engine.registry import resolve_model
+
+            checkpoint = load_checkpoint(resolve_model(config.model))
+        self.tokenizer = checkpoint.tokenizer
+        self.model_args = ModelArgs.from_hf_config(checkpoint.config)
+        self.max_model_len = min(config.max_model_len or self.model_args.max_position_embeddings,
+                                 self.model_args.max_position_embeddings)
+        model = _build_model(self.model_args, checkpoint.weights, config)
+        num_blocks = self._num_kv_blocks()
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.stat_loggers: list[StatLogger] = list(stat_loggers)
+        self.iteration = 0
+        self._finished: list[RequestOutput] = []  # finished outside a step (bad input, abort)
+        self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
+        self._detoks: dict[int, object] = {}  # seq_index -> incremental detokenizer (stop strings only)
+        self._ids = itertools.count()
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = kv_block_bytes(self.model_args, cfg.block_size, DTYPES[cfg.dtype])
+        by_memory = int(cfg.kv_cache_memory_gb * (1 << 30)) // per_block
+        # never more than every sequence at full length would need
+        by_need = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        return max(min(by_memory, by_need), 1)
+
+    # -- requests
+    def add_request(
+        self,
+        request_id: str | None = None,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict] | None = None,
+        job_id: str | None = None,
+        arrival_ts: float | None = None,
+    ) -> str:
+        """Queue a request (text, token ids, or chat messages). A request that cannot run finishes at
+        once with finish_reason "error"; its output comes back from the next step()."""
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        try:
+            token_ids = self._prompt_token_ids(prompt, messages)
+        except ValueError as exc:
+            token_ids, error = [], str(exc)
+        else:
+            error = self._check_prompt(token_ids)
+        seq = Sequence(request_id, token_ids, params, arrival_ts=arrival_ts or time.time(),
+                       prompt=text, job_id=job_id)
+        if error:
+            seq.finish_reason, seq.error = "error", error
+            seq.stats.finished_ts = time.time()
+            self._finished.append(self._output(seq))
+            return request_id
+        self._seqs[request_id] = seq
+        if params.stop and self.tokenizer is not None:
+            self._detoks[seq.seq_index] = self.tokenizer.detokenizer(token_ids)
+        self.scheduler.add(seq)
+        return request_id
+
+    def _prompt_token_ids(self, prompt, messages) -> list[int]:
+        if messages is not None:
+            if self.tokenizer is None:
+                raise ValueError("chat messages need a tokenizer; this model has none")
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this model has none (pass token ids)")
+            return self.tokenizer.encode(prompt) if prompt else []
+        if prompt is None:
+            raise ValueError("a request needs a prompt (text or token ids) or messages")
+        return [int(t) for t in prompt]
+
+    def _check_prompt(self, token_ids: list[int]) -> str | None:
+        if not token_ids:
+            return "empty prompt"
+        if len(token_ids) >= self.max_model_len:
+            return (f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                    "(prompt + at least one output token must fit)")
+        bad = next((t for t in token_ids if not 0 <= t < self.model_args.vocab_size), None)
+        if bad is not None:
+            return f"token id {bad} is outside the vocabulary [0, {self.model_args.vocab_size})"
+        return None
+
+    def abort_request(self, request_ids: Seq[str]) -> None:
+        """Stop requests wherever they are; their outputs (finish_reason "cancelled") come from step()."""
+        for rid in request_ids:
+            seq = self._seqs.get(str(rid))
+            if seq is not None:
+                self.scheduler.finish(seq, "cancelled")
+                self._on_finished(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._seqs) or bool(self._finished)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._seqs)
+
+    # -- one iteration
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample, apply stops. Returns the requests that finished."""
+        ts, t0 = time.time(), time.perf_counter()
+        sched = self.scheduler.schedule()
+        occupancy = (len(self.scheduler.running), len(self.scheduler.waiting))
+        for seq in sched.rejected:
+            self._on_finished(seq)
+        for s in sched.scheduled:
+            if not s.seq.stats.scheduled_ts:
+                s.seq.stats.scheduled_ts = ts
+        num_finished = len(sched.rejected)
+        if sched.scheduled:
+            logits, sample_seqs = self.runner.execute(sched)
+            self.scheduler.on_step_done(sched)
+            tokens, logprobs = self.sampler(logits, sample_seqs)
+            now = time.time()
+            for seq, token, lp in zip(sample_seqs, tokens, logprobs, strict=True):
+                num_finished += self._append_token(seq, token, lp, now)
+        self._log(sched, ts, time.perf_counter() - t0, num_finished, occupancy)
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> int:
+        if not seq.stats.first_token_ts:
+            seq.stats.first_token_ts = now
+        seq.append_token(token)
+        if logprobs is not None:
+            seq.logprobs = seq.logprobs or []
+            seq.logprobs.append(logprobs)
+        reason = self._stop_reason(seq, token)
+        if reason is None:
+            return 0
+        self.scheduler.finish(seq, reason)
+        self._on_finished(seq)
+        return 1
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and self.tokenizer is not None and token in self.tokenizer.eos_token_ids) \
+                or token in p.stop_token_ids:
+            return "stop"
+        detok = self._detoks.get(seq.seq_index)
+        if detok is not None:
+            detok.add(token)
+            text = detok.text
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.stop_text = text[:cut]
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _on_finished(self, seq: Sequence) -> None:
+        seq.stats.finished_ts = time.time()
+        self._seqs.pop(seq.request_id, None)
+        self.sampler.release(seq)
+        self._finished.append(self._output(seq))
+        self._detoks.pop(seq.seq_index, None)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out_ids = seq.output_token_ids
+        text = seq.stop_text
+        if text is None:
+            text = self._decode_output(seq, out_ids)
+        seq.stats.output_tokens = len(out_ids)
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.prompt_token_ids,
+            text=text, token_ids=out_ids, finished=True, finish_reason=seq.finish_reason,
+            error=seq.error, logprobs=seq.logprobs, metrics=seq.stats, job_id=seq.job_id,
+        )
+
+    def _decode_output(self, seq: Sequence, out_ids: list[int]) -> str:
+        if self.tokenizer is None or not out_ids:
+            return ""
+        eos = self.tokenizer.eos_token_ids
+        if seq.finish_reason == "stop" and out_ids[-1] in eos | set(seq.params.stop_token_ids):
+            out_ids = out_ids[:-1]  # the stop token itself is not text
+        return self.tokenizer.decode(out_ids)
+
+    def _log(self, sched: SchedulerOutput, ts: float, duration: float, num_finished: int,
+             occupancy: tuple[int, int]) -> None:
+        if not self.stat_loggers:
+            self.iteration += 1
+            return
+        decode = [s for s in sched.scheduled if s.is_decode]
+        decode_tokens = len(decode)
+        stats = IterationStats(
+            iteration=self.iteration, ts=ts, duration_s=duration,
+            num_running=occupancy[0], num_waiting=occupancy[1],
+            num_scheduled_seqs=len(sched.scheduled), num_prefill_seqs=len(sched.scheduled) - len(decode),
+            num_decode_seqs=len(decode), prefill_tokens=sched.num_scheduled_tokens - decode_tokens,
+            decode_tokens=decode_tokens, scheduled_tokens=sched.num_scheduled_tokens,
+            token_budget=self.config.max_num_batched_tokens, max_num_seqs=self.config.max_num_seqs,
+            kv_blocks_used=self.block_manager.num_used_blocks, kv_blocks_total=self.block_manager.num_blocks,
+            num_preempted=len(sched.preempted), num_finished=num_finished,
+            prefix_cache_hit_tokens=sched.prefix_cache_hit_tokens,
+            job_ids=sorted({s.seq.job_id for s in sched.scheduled if s.seq.job_id is not None}),
+        )
+        self.iteration += 1
+        for logger in self.stat_loggers:
+            logger(stats)
+
+
+def _build_model(args: ModelArgs, weights: dict[str, torch.Tensor], config: EngineConfig) -> Transformer:
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {config.device}: CUDA is not available on this machine")
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device=device).to(DTYPES[config.dtype])
+    model.load_hf_weights(weights)
+    return model.eval()
