@@ -1,0 +1,283 @@
+"""`batchgen bench`: throughput and latency of the engine on a seeded synthetic workload.
+
+Prints output tokens/s, processed (prompt + output) tokens/s, model-FLOP utilisation against a GEMM
+peak measured in the same run, TTFT and ITL p50/p99. `--baseline hf` also runs transformers with
+static batching (padded batches, each run to its longest member) on the same workload in the same
+process and prints the ratio. Numbers, not pass/fail: this is not a timed test.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import click
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class Workload:
+    seed: int
+    prompts: list[list[int]]  # token ids
+    output_lens: list[int]  # max_tokens per request (ignore_eos: each runs to its length)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(num_requests: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int],
+                  vocab_size: int, seed: int = 0, shared_prefix: int = 0) -> Workload:
+    """Uniform prompt and output lengths in the given inclusive ranges; random token ids.
+
+    shared_prefix > 0 puts the same leading tokens (a system prompt) on every prompt.
+    """
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(shared_prefix)]
+    prompts = [prefix + [rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_lens))]
+               for _ in range(num_requests)]
+    outs = [rng.randint(*output_lens) for _ in range(num_requests)]
+    return Workload(seed, prompts, outs)
+
+
+@dataclass
+class BenchResult:
+    name: str
+    elapsed_s: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    output_tokens_per_s: float
+    processed_tokens_per_s: float
+    mfu: float  # achieved model FLOP/s over the measured GEMM peak
+    ttft_p50_s: float = 0.0
+    ttft_p99_s: float = 0.0
+    itl_p50_s: float = 0.0
+    itl_p99_s: float = 0.0
+    e2e_p50_s: float = 0.0
+    e2e_p99_s: float = 0.0
+    mean_running: float = 0.0  # running sequences per iteration
+    mean_budget_utilisation: float = 0.0  # scheduled_tokens / token_budget per iteration
+    num_preemptions: int = 0
+    num_iterations: int = 0
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def measure_gemm_peak(dtype_name: str = "float32", device: str = "cpu", seconds: float = 1.5) -> float:
+    """Best FLOP/s of torch.mm over a few square and model-like shapes, in this process."""
+    import torch
+
+    from engine.model_runner import DTYPES
+
+    dtype = DTYPES[dtype_name]
+    best = 0.0
+    for m, k, n in [(1024, 1024, 1024), (2048, 576, 1536), (2048, 2048, 2048), (512, 1536, 576)]:
+        a = torch.randn(m, k, dtype=dtype, device=device)
+        b = torch.randn(k, n, dtype=dtype, device=device)
+        torch.mm(a, b)
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 4:
+            torch.mm(a, b)
+            reps += 1
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - t0))
+    return best
+
+
+def _model_flops(args, workload: Workload) -> float:
+    """Forward FLOPs of every processed token, attention at its own context length."""
+    total = 0.0
+    for prompt, n_out in zip(workload.prompts, workload.output_lens, strict=True):
+        n = len(prompt) + n_out
+        total += n * args.flops_per_token(context_len=n // 2)
+    return total
+
+
+def run_engine(llm, workload: Workload, peak: float, name: str = "batchgen") -> BenchResult:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
+    t0 = time.perf_counter()
+    outs = llm.generate(workload.prompts, params)
+    elapsed = time.perf_counter() - t0
+    stats = llm.iteration_stats
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    ttft = [o.metrics.ttft_s for o in outs]
+    itl = [o.metrics.tpot_s for o in outs if o.metrics.output_tokens > 1]
+    e2e = [o.metrics.e2e_s for o in outs]
+    flops = _model_flops(llm.engine.model_args, workload)
+    return BenchResult(
+        name=name, elapsed_s=elapsed, num_requests=len(outs), prompt_tokens=workload.prompt_tokens,
+        output_tokens=out_tokens, output_tokens_per_s=out_tokens / elapsed,
+        processed_tokens_per_s=(workload.prompt_tokens + out_tokens) / elapsed,
+        mfu=flops / elapsed / peak if peak else 0.0,
+        ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
+        itl_p50_s=percentile(itl, 50), itl_p99_s=percentile(itl, 99),
+        e2e_p50_s=percentile(e2e, 50), e2e_p99_s=percentile(e2e, 99),
+        mean_running=statistics.fmean(s.num_scheduled_seqs for s in stats) if stats else 0.0,
+        mean_budget_utilisation=statistics.fmean(s.scheduled_tokens / s.token_budget for s in stats)
+        if stats else 0.0,
+        num_preemptions=sum(s.num_preempted for s in stats), num_iterations=len(stats),
+    )
+
+
+def run_hf_static(model_dir: str, workload: Workload, batch_size: int, peak: float, args,
+                  dtype: str = "float32") -> BenchResult:
+    """transformers generate() over padded static batches of `batch_size`, each run to its longest member."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine.model_runner import DTYPES
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+    pad = 0
+    t0 = time.perf_counter()
+    ttft: list[float] = []
+    for start in range(0, len(workload.prompts), batch_size):
+        prompts = workload.prompts[start:start + batch_size]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        longest = max(workload.output_lens[start:start + batch_size])
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest,
+                           min_new_tokens=longest, do_sample=False, pad_token_id=pad)
+        ttft += [time.perf_counter() - t0] * len(prompts)  # a static batch returns all at once
+    elapsed = time.perf_counter() - t0
+    out_tokens = workload.output_tokens  # useful tokens: what each request asked for
+    return BenchResult(
+        name=f"hf-static-b{batch_size}", elapsed_s=elapsed, num_requests=len(workload.prompts),
+        prompt_tokens=workload.prompt_tokens, output_tokens=out_tokens,
+        output_tokens_per_s=out_tokens / elapsed,
+        processed_tokens_per_s=(workload.prompt_tokens + out_tokens) / elapsed,
+        mfu=_model_flops(args, workload) / elapsed / peak if peak else 0.0,
+        e2e_p50_s=percentile(ttft, 50), e2e_p99_s=percentile(ttft, 99),
+    )
+
+
+def format_table(results: list[BenchResult]) -> str:
+    cols = [("name", "{}"), ("elapsed_s", "{:.2f}"), ("output_tokens_per_s", "{:.1f}"),
+            ("processed_tokens_per_s", "{:.1f}"), ("mfu", "{:.3f}"), ("ttft_p50_s", "{:.3f}"),
+            ("ttft_p99_s", "{:.3f}"), ("itl_p50_s", "{:.4f}"), ("itl_p99_s", "{:.4f}"),
+            ("mean_running", "{:.1f}"), ("mean_budget_utilisation", "{:.2f}"), ("num_preemptions", "{}")]
+    rows = [[c for c, _ in cols]] + [[f.format(getattr(r, c)) for c, f in cols] for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def parse_range(value: str, flag: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in value.split("-", 1)) if "-" in value else (int(value),) * 2
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected N or LO-HI", param_hint=flag) from None
+    if not 1 <= lo <= hi:
+        raise click.BadParameter(f"{value!r}: need 1 <= LO <= HI", param_hint=flag)
+    return lo, hi
+
+
+def engine_options(f):
+    """The engine-limit flags, vLLM names, shared by bench and sweep."""
+    opts = [
+        click.option("--model", default="smollm2-135m", show_default=True),
+        click.option("--max-num-seqs", type=int, default=64, show_default=True),
+        click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True),
+        click.option("--max-model-len", type=int, default=None),
+        click.option("--block-size", type=int, default=16, show_default=True),
+        click.option("--num-kv-blocks", type=int, default=None),
+        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True, show_default=True),
+        click.option("--enable-prefix-caching", is_flag=True, default=False),
+        click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default="fcfs"),
+        click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32"),
+        click.option("--device", default="cpu", show_default=True),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def workload_options(f):
+    opts = [
+        click.option("--num-requests", type=int, default=128, show_default=True),
+        click.option("--prompt-len", default="16-256", show_default=True, help="N or LO-HI tokens"),
+        click.option("--output-len", default="8-128", show_default=True, help="N or LO-HI tokens"),
+        click.option("--shared-prefix", type=int, default=0, help="tokens of a common system prompt"),
+        click.option("--seed", type=int, default=0, show_default=True),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def build_llm(engine_kw: dict):
+    from engine.llm import LLM
+
+    model = engine_kw.pop("model")
+    try:
+        return LLM(model, **engine_kw)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@click.command()
+@engine_options
+@workload_options
+@click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
+              help="also run transformers static batching on the same workload")
+@click.option("--hf-batch-size", type=int, default=16, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="print results as JSON")
+def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, hf_batch_size, as_json,
+          **engine_kw):
+    """Benchmark the engine on a seeded synthetic workload (ignore_eos, greedy)."""
+    prompt_lens = parse_range(prompt_len, "--prompt-len")
+    output_lens = parse_range(output_len, "--output-len")
+    llm = build_llm(engine_kw)
+    args = llm.engine.model_args
+    workload = make_workload(num_requests, prompt_lens, output_lens, args.vocab_size, seed, shared_prefix)
+    peak = measure_gemm_peak(llm.config.dtype, llm.config.device)
+    warm = make_workload(4, (8, 32), (4, 8), args.vocab_size, seed + 1)
+    llm.generate(warm.prompts, SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    results = [run_engine(llm, workload, peak)]
+    if baseline == "hf":
+        model_dir = _hf_dir(llm.config.model)
+        del llm
+        results.append(run_hf_static(model_dir, workload, hf_batch_size, peak, args, engine_kw["dtype"]))
+    _print(results, peak, workload, as_json)
+
+
+def _hf_dir(model: str) -> str:
+    from engine.registry import resolve_model
+
+    resolved = resolve_model(model)
+    if resolved.kind != "hf_dir":
+        raise click.UsageError(f"--baseline hf needs a model with a Hugging Face directory; {model!r} is "
+                               f"{resolved.kind}")
+    return str(resolved.path)
+
+
+def _print(results: list[BenchResult], peak: float, workload: Workload, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps({"gemm_peak_flops": peak, "results": [asdict(r) for r in results]}, indent=2))
+        return
+    click.echo(f"workload: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt tokens, "
+               f"{workload.output_tokens} output tokens (seed {workload.seed})")
+    click.echo(f"measured GEMM peak: {peak / 1e9:.1f} GFLOP/s")
+    click.echo(format_table(results))
+    if len(results) == 2:
+        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        click.echo(f"output tokens/s ratio batchgen / {results[1].name}: {ratio:.2f}x")
