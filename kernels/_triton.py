@@ -7,6 +7,11 @@ with a message saying why, and `tl.constexpr` exists so kernel signatures still 
 
 from __future__ import annotations
 
+import os
+
+# Triton 3.9 warns on every compile unless this is set; keep its current default (fusion on).
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
 try:
     import triton
     import triton.language as tl
@@ -40,4 +45,11 @@ except ImportError as exc:  # the torch path needs no Triton
     triton = _MissingTriton()
     tl = _MissingLanguage()
 
-__all__ = ["HAS_TRITON", "triton", "tl"]
+
+
+def interpreting() -> bool:
+    """Whether @triton.jit kernels were defined under the interpreter (TRITON_INTERPRET=1)."""
+    return HAS_TRITON and bool(triton.knobs.runtime.interpret)
+
+
+__all__ = ["HAS_TRITON", "interpreting", "triton", "tl"]

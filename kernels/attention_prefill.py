@@ -6,6 +6,119 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels._triton import tl, triton
+from kernels.attention_decode import _check_attention_inputs
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,  # (T, Hq, D) query chunks of all sequences back to back, head dim contiguous
+    k_cache_ptr,  # (num_blocks, block_size, Hkv, D) contiguous key cache (this step's keys stored)
+    v_cache_ptr,  # (num_blocks, block_size, Hkv, D) contiguous value cache
+    block_tables_ptr,  # (S, max_blocks_per_seq) int32 block ids per sequence
+    query_start_loc_ptr,  # (S+1,) int32 first query token of each sequence in q
+    context_lens_ptr,  # (S,) int32 cached tokens per sequence, this chunk included
+    out_ptr,  # (T, Hq, D) contiguous output
+    q_token_stride,
+    q_head_stride,
+    block_table_stride,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    num_kv_heads,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_Q: tl.constexpr,  # query tokens per program: BLOCK_M // GROUP
+    BLOCK_M: tl.constexpr,  # rows per program: (token, query head of the group) pairs, flattened
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
+    BLOCK_N: tl.constexpr,  # keys per loop step
+    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs, "tf32" for 16-bit ones
+):
+    """Program (s, t, h): query tokens [t*BLOCK_Q, (t+1)*BLOCK_Q) of sequence s's chunk, every query
+    head of KV head h (rows r = token*GROUP + head, so the group shares each K/V tile it loads).
+
+    The chunk's token i sits at position ctx - q_len + i and sees keys 0 .. that position (causal,
+    aligned bottom-right); decodes are chunks of one. Online softmax in fp32 as in the decode
+    kernel (running max m, running sum l, out = acc / l).
+    """
+    seq = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * BLOCK_Q
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if first < q_len:  # tiles past this sequence's chunk have nothing to do
+        ctx_len = tl.load(context_lens_ptr + seq)
+        rows = tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, HEAD_DIM)
+        token = first + rows // GROUP  # (BLOCK_M,) token index within the chunk
+        head = kv_head * GROUP + rows % GROUP  # (BLOCK_M,) query head
+        row_ok = (rows < BLOCK_Q * GROUP) & (token < q_len)
+        query_pos = ctx_len - q_len + token  # (BLOCK_M,)
+        row_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]  # (BLOCK_M, D)
+        q_offs = (q_start + token).to(tl.int64)[:, None] * q_token_stride + head[:, None] * q_head_stride
+        q = tl.load(q_ptr + q_offs + dims[None, :], mask=row_mask, other=0.0).to(tl.float32)
+
+        row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        row_sum = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+        kv_end = tl.minimum(ctx_len, ctx_len - q_len + first + BLOCK_Q)  # last visible key + 1
+        for tile_start in range(0, kv_end, BLOCK_N):
+            pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
+            key_ok = pos < kv_end
+            block = tl.load(block_tables_ptr + seq * block_table_stride + pos // BLOCK_SIZE, mask=key_ok,
+                            other=0)
+            slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+            kv_offs = (slot * num_kv_heads + kv_head)[:, None] * HEAD_DIM + dims[None, :]  # (BLOCK_N, D)
+            kv_mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
+            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+            visible = (pos[None, :] <= query_pos[:, None]) & key_ok[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))  # finite: every row sees key 0
+            alpha = tl.exp2(row_max - new_max)
+            p = tl.exp2(scores - new_max[:, None])
+            row_sum = row_sum * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            row_max = new_max
+
+        out = acc / row_sum[:, None]
+        num_q_heads = num_kv_heads * GROUP
+        out_offs = ((q_start + token).to(tl.int64) * num_q_heads + head)[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def paged_prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    block_m: int = 64,
+) -> torch.Tensor:
+    """q (T, Hq, D) -> (T, Hq, D) for a varlen batch of chunks (decodes included) in one launch:
+    a (S, query tiles of the longest chunk, Hkv) grid; tiles past a shorter chunk exit at once."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    _check_attention_inputs(q, k_cache, v_cache, block_tables, 16)
+    group = num_q_heads // num_kv_heads
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    num_seqs = context_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    _paged_prefill_kernel[(num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)](
+        q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
+        q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E, num_kv_heads,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_N=64, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
+
 
 def paged_prefill_attention_ref(
     q: torch.Tensor,

@@ -13,16 +13,18 @@ import os
 
 import torch
 
-from kernels.activation import silu_and_mul_ref
-from kernels.attention_decode import paged_decode_attention_ref
-from kernels.attention_prefill import paged_prefill_attention_ref
-from kernels.kv_cache import store_kv_cache_ref
-from kernels.metadata import AttentionMetadata
-from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
-from kernels.rotary import make_cos_sin_cache, rotary_embedding_ref
+from kernels._triton import HAS_TRITON, interpreting
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.attention_decode import paged_decode_attention_ref, paged_decode_attention_triton
+from kernels.attention_prefill import paged_prefill_attention_ref, paged_prefill_attention_triton
+from kernels.kv_cache import store_kv_cache_ref, store_kv_cache_triton
+from kernels.metadata import AttentionMetadata, build_attention_metadata
+from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref, rms_norm_triton
+from kernels.rotary import make_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton
 
 __all__ = [
     "AttentionMetadata",
+    "build_attention_metadata",
     "fused_add_rms_norm",
     "get_backend",
     "make_cos_sin_cache",
@@ -47,23 +49,28 @@ def set_backend(name: str | None) -> None:
 
 
 def get_backend(x: torch.Tensor) -> str:
-    """The backend a call on tensor x would use: 'torch' or 'triton'."""
+    """The backend a call on tensor x uses: 'torch' or 'triton'."""
     name = _forced_backend or os.environ.get("BATCHGEN_KERNELS") or "auto"
     if name == "auto":
-        return "triton" if x.is_cuda else "torch"
-    if name not in BACKENDS:
+        return "triton" if x.is_cuda and HAS_TRITON else "torch"
+    if name == "torch":
+        return name
+    if name != "triton":
         raise ValueError(f"BATCHGEN_KERNELS must be one of {BACKENDS}, got {name!r}")
-    if name == "triton" and not x.is_cuda:
-        _require_interpreter()
+    if not HAS_TRITON:
+        raise RuntimeError("BATCHGEN_KERNELS=triton but `triton` is not importable; install batchgen[triton]")
+    if not x.is_cuda and not interpreting():
+        raise RuntimeError(
+            "BATCHGEN_KERNELS=triton on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before kernels is imported"
+        )
     return name
-
-
-def _require_interpreter() -> None:
-    raise NotImplementedError("the Triton kernels are not written yet; use BATCHGEN_KERNELS=torch")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x (T, D), scaled by weight (D,)."""
+    if get_backend(x) == "triton":
+        return rms_norm_triton(x, weight, eps)[0]
     return rms_norm_ref(x, weight, eps)
 
 
@@ -71,6 +78,8 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual_out = x + residual; returns (rms_norm(residual_out), residual_out)."""
+    if get_backend(x) == "triton":
+        return rms_norm_triton(x, weight, eps, residual)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
@@ -78,11 +87,15 @@ def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (T, Hq, D) and k (T, Hkv, D) in place by positions (T,) int64; returns (q, k)."""
+    if get_backend(q) == "triton":
+        return rotary_embedding_triton(positions, q, k, cos_sin_cache)
     return rotary_embedding_ref(positions, q, k, cos_sin_cache)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x (T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
+    if get_backend(x) == "triton":
+        return silu_and_mul_triton(x)
     return silu_and_mul_ref(x)
 
 
@@ -94,7 +107,10 @@ def store_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write key/value (T, Hkv, D) into k_cache/v_cache (num_blocks, block_size, Hkv, D); slot -1 skips."""
-    store_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+    if get_backend(key) == "triton":
+        store_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -105,7 +121,16 @@ def paged_attention(
     Every query token attends causally to its sequence's cached keys (this step's included:
     store_kv_cache runs first). Query heads are grouped over KV heads (Hq a multiple of Hkv).
     """
-    return _paged_attention_torch(q, k_cache, v_cache, meta, scale)
+    if get_backend(q) == "torch":
+        return _paged_attention_torch(q, k_cache, v_cache, meta, scale)
+    if meta.num_decodes == len(meta.query_lens_cpu):  # decode-only step: split long contexts
+        return paged_decode_attention_triton(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len, scale
+        )
+    return paged_prefill_attention_triton(  # one launch for decodes and prefill chunks together
+        q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+        meta.max_query_len, scale,
+    )
 
 
 def _paged_attention_torch(

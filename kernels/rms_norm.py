@@ -4,6 +4,65 @@ from __future__ import annotations
 
 import torch
 
+from kernels._triton import tl, triton
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # (T, D) input rows, last dim contiguous
+    residual_ptr,  # (T, D) residual rows; read only when HAS_RESIDUAL
+    residual_out_ptr,  # (T, D) x + residual, written when HAS_RESIDUAL (may alias residual_ptr)
+    weight_ptr,  # (D,) per-channel scale
+    out_ptr,  # (T, D) normalised rows, contiguous
+    x_row_stride,
+    residual_row_stride,
+    eps,
+    D,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per row t: h = x[t] (+ residual[t], rounded to the input dtype and written out),
+    out[t] = weight * cast(h * rsqrt(mean(h^2) + eps)), all arithmetic in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    in_row = cols < D
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=in_row, other=0.0)
+    h = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=in_row, other=0.0)
+        summed = (h + residual.to(tl.float32)).to(x.dtype)  # the residual stream keeps the model dtype
+        tl.store(residual_out_ptr + row * D + cols, summed, mask=in_row)
+        h = summed.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
+    normed = (h * inv_rms).to(x.dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=in_row)
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch one program per row; returns (out, residual_out), residual_out None without residual."""
+    _check_rows(x, weight, residual)
+    num_rows, hidden = x.shape
+    out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    residual_out = None if residual is None else torch.empty_like(out)
+    _rms_norm_kernel[(num_rows,)](
+        x, x if residual is None else residual, out if residual_out is None else residual_out, weight, out,
+        x.stride(0), 0 if residual is None else residual.stride(0), eps, hidden,
+        HAS_RESIDUAL=residual is not None, BLOCK_D=triton.next_power_of_2(hidden),
+    )
+    return out, residual_out
+
+
+def _check_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"rms_norm: x must be (T, D) with a contiguous last dim, got {tuple(x.shape)}")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"rms_norm: weight must be ({x.shape[1]},), got {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(f"rms_norm: residual must match x {tuple(x.shape)}, got {tuple(residual.shape)}")
+
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face Llama RMSNorm: normalise in fp32, cast back, then scale by the weight."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels._triton import tl, triton
+
 
 def make_cos_sin_cache(
     head_dim: int, max_pos: int, rope_theta: float, dtype: torch.dtype, device: torch.device | str
@@ -21,6 +23,86 @@ def make_cos_sin_cache(
     positions = torch.arange(max_pos, dtype=torch.int64, device=device).float()
     freqs = torch.outer(positions, inv_freq)  # (max_pos, D/2)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(dtype)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # (T, H, D) queries or keys of this token's row, rotated in place
+    row_offset,  # element offset of the token's row in x
+    head_stride,
+    num_heads,
+    cos,  # (HALF,) fp32 cos of this token's angles
+    sin,  # (HALF,) fp32 sin
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """x = [x1 | x2] per head -> [x1*cos - x2*sin | x2*cos + x1*sin]."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    ptrs = x_ptr + row_offset + heads * head_stride + dims  # (BLOCK_H, HALF) first halves
+    mask = heads < num_heads
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, (x1 * cos[None, :] - x2 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,  # (T,) int64 token positions
+    q_ptr,  # (T, Hq, D) queries, rotated in place; head dim contiguous
+    k_ptr,  # (T, Hkv, D) keys, rotated in place; head dim contiguous
+    cos_sin_ptr,  # (max_pos, D) contiguous: cos in the first D/2 columns, sin in the last D/2
+    q_token_stride,
+    q_head_stride,
+    k_token_stride,
+    k_head_stride,
+    num_q_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+):
+    """One program per token t: rotate every query and key head of t by the angles of positions[t]."""
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token)
+    dims = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * 2 * HALF + dims).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * 2 * HALF + HALF + dims).to(tl.float32)
+    _rotate_heads(q_ptr, token * q_token_stride, q_head_stride, num_q_heads, cos, sin, HALF, BLOCK_HQ)
+    _rotate_heads(k_ptr, token * k_token_stride, k_head_stride, num_kv_heads, cos, sin, HALF, BLOCK_HKV)
+
+
+def rotary_embedding_triton(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch one program per token; rotates q and k in place and returns them."""
+    _check_rotary(positions, q, k, cos_sin_cache)
+    half = q.shape[2] // 2
+    if q.shape[0]:
+        _rotary_kernel[(q.shape[0],)](
+            positions, q, k, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            q.shape[1], k.shape[1], HALF=half,
+            BLOCK_HQ=triton.next_power_of_2(q.shape[1]), BLOCK_HKV=triton.next_power_of_2(k.shape[1]),
+        )
+    return q, k
+
+
+def _check_rotary(positions, q, k, cos_sin_cache) -> None:
+    head_dim = q.shape[-1]
+    if q.dim() != 3 or k.dim() != 3 or k.shape[-1] != head_dim or k.shape[0] != q.shape[0]:
+        raise ValueError(f"rotary_embedding: q (T, Hq, D) and k (T, Hkv, D) disagree: "
+                         f"{tuple(q.shape)} vs {tuple(k.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("rotary_embedding: q and k need a contiguous head dim")
+    if positions.shape != (q.shape[0],) or positions.dtype != torch.int64:
+        raise ValueError(f"rotary_embedding: positions must be ({q.shape[0]},) int64, "
+                         f"got {tuple(positions.shape)} {positions.dtype}")
+    if cos_sin_cache.shape[-1] != head_dim or not cos_sin_cache.is_contiguous():
+        raise ValueError(f"rotary_embedding: cos_sin_cache must be contiguous (max_pos, {head_dim}), "
+                         f"got {tuple(cos_sin_cache.shape)}")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"rotary_embedding: the Triton kernel needs a power-of-two head dim, got {head_dim}")
 
 
 def rotary_embedding_ref(

@@ -8,20 +8,18 @@ import torch
 from kernels import ops
 from kernels.testing import make_paged_inputs
 from tests.kernels import naive
-
-# dtype -> (atol, rtol) of a reference against the float64 loop
-TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}
-
-# (query_lens, context_lens): decodes first, then prefill chunks
-ATTENTION_BATCHES = {
-    "decodes": ([1, 1, 1, 1, 1], [1, 15, 16, 17, 100]),
-    "whole_prompts": ([15, 17, 1], [15, 17, 1]),
-    "mixed": ([1, 1, 16, 5, 1, 17], [17, 100, 16, 100, 15, 33]),
-}
-HEADS = [(9, 3), (8, 1)]
+from tests.kernels.cases import ATTENTION_BATCHES, HEADS, TOLERANCES
 
 
-@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.fixture(autouse=True)
+def torch_backend():
+    """These tests are about the torch path, whatever BATCHGEN_KERNELS says."""
+    ops.set_backend("torch")
+    yield
+    ops.set_backend(None)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("num_tokens,hidden", [(1, 64), (7, 576), (33, 100)])
 def test_rms_norm_matches_loop(num_tokens, hidden, dtype):
     gen = torch.Generator().manual_seed(num_tokens)
@@ -36,7 +34,7 @@ def test_rms_norm_matches_loop(num_tokens, hidden, dtype):
     torch.testing.assert_close(out.double(), naive.rms_norm(x + residual, weight, 1e-6), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
 def test_rotary_matches_loop_and_is_in_place(num_q_heads, num_kv_heads, dtype):
     gen = torch.Generator().manual_seed(num_q_heads)
@@ -70,7 +68,7 @@ def test_cos_sin_cache_and_rms_norm_match_transformers_llama():
     torch.testing.assert_close(ops.rms_norm(h, norm.weight.detach(), 1e-5), norm(h).detach())
 
 
-@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("num_tokens,inter", [(1, 8), (5, 1536), (17, 33)])
 def test_silu_and_mul_matches_loop(num_tokens, inter, dtype):
     x = torch.randn(num_tokens, 2 * inter, generator=torch.Generator().manual_seed(inter)).to(dtype)
@@ -93,13 +91,14 @@ def test_store_kv_cache_writes_slots_and_skips_minus_one(block_size):
     assert int((flat_k.abs().sum((1, 2)) != 0).sum()) == len(written)  # nothing else was touched
 
 
-@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
 @pytest.mark.parametrize("batch", list(ATTENTION_BATCHES))
 def test_paged_attention_matches_loop(batch, num_q_heads, num_kv_heads, block_size, dtype):
     query_lens, context_lens = ATTENTION_BATCHES[batch]
-    inputs = make_paged_inputs(query_lens, context_lens, num_q_heads, num_kv_heads, 64, block_size, dtype)
+    inputs = make_paged_inputs(query_lens, context_lens, num_q_heads, num_kv_heads, 64, block_size, dtype,
+                               garbage=7.0)  # slots outside every context must not be read
     out = ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
     want = naive.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta.block_tables.tolist(),
                                  query_lens, context_lens, inputs.scale)
