@@ -112,6 +112,7 @@ def complete_config(config: dict, path: Path | str) -> dict:
     model_type = config.get("model_type", "llama")
     if model_type != "llama":
         raise ModelFileError(f"{path}: model_type {model_type!r} is not supported (only 'llama')")
+    _check_positive_ints(config, REQUIRED_CONFIG_KEYS, path)
     out = dict(config)
     for key, value in CONFIG_DEFAULTS.items():
         out.setdefault(key, value)
@@ -120,13 +121,18 @@ def complete_config(config: dict, path: Path | str) -> dict:
         out["rope_theta"] = rope_parameters["rope_theta"]
     out.setdefault("num_key_value_heads", out["num_attention_heads"])
     out.setdefault("head_dim", out["hidden_size"] // out["num_attention_heads"])
-    for key in REQUIRED_CONFIG_KEYS + ("num_key_value_heads", "head_dim"):
-        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < 1:
-            raise ModelFileError(f"{path}: {key} must be a positive integer, got {out[key]!r}")
+    _check_positive_ints(out, ("num_key_value_heads", "head_dim"), path)
     if out["num_attention_heads"] % out["num_key_value_heads"]:
         raise ModelFileError(f"{path}: num_attention_heads ({out['num_attention_heads']}) is not a multiple "
                              f"of num_key_value_heads ({out['num_key_value_heads']})")
     return out
+
+
+def _check_positive_ints(config: dict, keys: tuple[str, ...], path: Path | str) -> None:
+    for key in keys:
+        value = config[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelFileError(f"{path}: {key} must be a positive integer, got {value!r}")
 
 
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
