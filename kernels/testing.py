@@ -32,41 +32,50 @@ def make_paged_inputs(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
-    garbage: float = 0.0,
+    garbage: float | None = 0.0,
 ) -> PagedInputs:
     """Sequences with the given query/context lengths (decodes first) over shuffled cache blocks.
 
     Every slot inside a context holds random K/V; every other slot (the tail of a last block,
-    spare blocks) holds `garbage` (pass nan to prove a kernel never reads outside a context).
+    spare blocks) holds `garbage` (nan proves a kernel never reads outside a context; None leaves
+    the random values, which is quickest at serving sizes). Tensors are made on `device`.
     """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     blocks_per_seq = [-(-ctx // block_size) for ctx in context_lens]
     num_blocks = sum(blocks_per_seq) + 2  # spare blocks that no sequence owns
-    order = torch.randperm(num_blocks, generator=gen).tolist()
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
     tables, used = [], 0
     for n in blocks_per_seq:
         tables.append(order[used : used + n])
         used += n
     meta = build_attention_metadata(query_lens, context_lens, tables, block_size, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, garbage, dtype=dtype)
-    v_cache = torch.full(shape, garbage, dtype=dtype)
-    for ctx, table in zip(context_lens, tables, strict=True):
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
-        k_cache.view(-1, num_kv_heads, head_dim)[slots] = _randn((ctx, num_kv_heads, head_dim), gen, dtype)
-        v_cache.view(-1, num_kv_heads, head_dim)[slots] = _randn((ctx, num_kv_heads, head_dim), gen, dtype)
-    slots = meta.slot_mapping.cpu()
-    q = _randn((len(slots), num_q_heads, head_dim), gen, dtype)
+    k_cache, v_cache = _randn(shape, gen, dtype, device), _randn(shape, gen, dtype, device)
+    if garbage is not None:
+        outside = _outside_contexts(meta, num_blocks * block_size, block_size)
+        k_cache.view(-1, num_kv_heads, head_dim)[outside] = garbage
+        v_cache.view(-1, num_kv_heads, head_dim)[outside] = garbage
+    slots = meta.slot_mapping
     return PagedInputs(
-        q=q.to(device),
-        key=k_cache.view(-1, num_kv_heads, head_dim)[slots].to(device),
-        value=v_cache.view(-1, num_kv_heads, head_dim)[slots].to(device),
-        k_cache=k_cache.to(device),
-        v_cache=v_cache.to(device),
+        q=_randn((len(slots), num_q_heads, head_dim), gen, dtype, device),
+        key=k_cache.view(-1, num_kv_heads, head_dim)[slots],
+        value=v_cache.view(-1, num_kv_heads, head_dim)[slots],
+        k_cache=k_cache,
+        v_cache=v_cache,
         meta=meta,
         scale=head_dim**-0.5,
     )
 
 
-def _randn(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
-    return torch.randn(shape, generator=gen).to(dtype)
+def _outside_contexts(meta: AttentionMetadata, num_slots: int, block_size: int) -> torch.Tensor:
+    """(num_slots,) bool: True for every cache slot that no sequence's context covers."""
+    pos = torch.arange(meta.block_tables.shape[1] * block_size, device=meta.block_tables.device)
+    slots = meta.block_tables.long()[:, pos // block_size] * block_size + pos % block_size  # (S, W*bs)
+    inside = pos[None, :] < meta.context_lens[:, None]
+    outside = torch.ones(num_slots, dtype=torch.bool, device=pos.device)
+    outside[slots[inside]] = False
+    return outside
+
+
+def _randn(shape: tuple[int, ...], gen: torch.Generator, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, device=device).to(dtype)

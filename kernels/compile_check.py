@@ -1,0 +1,148 @@
+"""Compile every Triton kernel for a CUDA architecture without a GPU: `python -m kernels.compile_check`.
+
+The interpreter tests check the kernels' arithmetic; they cannot see what only the compiler
+rejects (types, layouts, shared memory). This runs each launcher on small CPU tensors with its
+kernels replaced by recorders, then hands the recorded arguments to `triton.compile` for the
+target (ptxas ships with Triton), so the exact launches the engine makes are built down to cubin.
+Run it without TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
+
+from kernels import activation, attention_decode, attention_prefill, kv_cache, rms_norm, rotary
+from kernels.testing import make_paged_inputs
+
+KERNEL_MODULES = (rms_norm, activation, rotary, kv_cache, attention_decode, attention_prefill)
+# dynamic shared memory per block (bytes) of the architectures we target
+MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+_SIG_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+               torch.int32: "i32", torch.int64: "i64"}
+
+
+def record_launches(launch: Callable[[], object]) -> list[tuple[object, tuple, dict]]:
+    """Run `launch` with every kernel of KERNEL_MODULES recording (kernel, args, kwargs) instead."""
+    calls: list[tuple[object, tuple, dict]] = []
+    with _recording(calls):
+        launch()
+    return calls
+
+
+class _Recorder:
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.kernel, args, kwargs))
+
+
+@contextmanager
+def _recording(calls: list):
+    from triton.runtime.jit import JITFunction
+
+    saved = [(module, name, kernel) for module in KERNEL_MODULES
+             for name, kernel in vars(module).items() if isinstance(kernel, JITFunction)]
+    try:
+        for module, name, kernel in saved:
+            setattr(module, name, _Recorder(kernel, calls))
+        yield
+    finally:
+        for module, name, kernel in saved:
+            setattr(module, name, kernel)
+
+
+def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, object]]:
+    """Triton's (signature, constexprs) for one recorded launch: tensors become typed pointers."""
+    sig, constexprs = {}, {}
+    for name, value in zip(kernel.arg_names, args, strict=False):
+        if isinstance(value, torch.Tensor):
+            sig[name] = "*" + _SIG_DTYPES[value.dtype]
+        elif isinstance(value, float):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+    for name, value in kwargs.items():
+        sig[name], constexprs[name] = "constexpr", value
+    return sig, constexprs
+
+
+def example_launches(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    """One small call of every launcher (and both decode paths) in `dtype`."""
+    x, w = torch.randn(4, 576, dtype=dtype), torch.randn(576, dtype=dtype)
+    paged = make_paged_inputs([1, 1, 7], [20, 700, 7], 9, 3, 64, 16, dtype)
+    meta, q = paged.meta, paged.q
+    cache = rotary.make_cos_sin_cache(64, 1024, 10000.0, dtype, "cpu")
+    positions = torch.arange(q.shape[0])
+    decode_args = (q[:2], paged.k_cache, paged.v_cache, meta.block_tables[:2], meta.context_lens[:2])
+    return {
+        "rms_norm": lambda: rms_norm.rms_norm_triton(x, w, 1e-6),
+        "fused_add_rms_norm": lambda: rms_norm.rms_norm_triton(x, w, 1e-6, x.clone()),
+        "silu_and_mul": lambda: activation.silu_and_mul_triton(torch.randn(4, 3072, dtype=dtype)),
+        "rotary_embedding": lambda: rotary.rotary_embedding_triton(positions, q, paged.key, cache),
+        "store_kv_cache": lambda: kv_cache.store_kv_cache_triton(
+            paged.key, paged.value, paged.k_cache, paged.v_cache, meta.slot_mapping),
+        "decode_attention": lambda: attention_decode.paged_decode_attention_triton(
+            *decode_args, 20, paged.scale),
+        "decode_attention_split": lambda: attention_decode.paged_decode_attention_triton(
+            *decode_args, 700, paged.scale),
+        "prefill_attention": lambda: attention_prefill.paged_prefill_attention_triton(
+            q, paged.k_cache, paged.v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
+            meta.max_query_len, paged.scale),
+    }
+
+
+def compile_all(arch: int, dtypes: list[torch.dtype]) -> list[str]:
+    """Compile every kernel launch for sm_<arch>; returns one line per kernel, 'FAIL' in failures."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target, lines = GPUTarget("cuda", arch, 32), []
+    for dtype in dtypes:
+        for op, launch in example_launches(dtype).items():
+            for kernel, args, kwargs in record_launches(launch):
+                sig, constexprs = signature(kernel, args, kwargs)
+                start = time.perf_counter()
+                try:
+                    compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=target)
+                except Exception as exc:  # report every failure, not just the first
+                    lines.append(f"FAIL sm_{arch} {dtype} {op} {kernel.__name__}: {type(exc).__name__}: "
+                                 f"{exc}")
+                    continue
+                shared = compiled.metadata.shared
+                ok = "ok  " if shared <= MAX_SHARED.get(arch, 101376) else "FAIL"
+                lines.append(f"{ok} sm_{arch} {str(dtype):15} {op:24} {kernel.__name__:28} "
+                             f"shared={shared:6d}B warps={compiled.metadata.num_warps} "
+                             f"{time.perf_counter() - start:5.1f}s")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90],
+                        help="CUDA compute capabilities, e.g. 80 90")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16", "float32"],
+                        choices=["bfloat16", "float16", "float32"])
+    args = parser.parse_args(argv)
+    from kernels._triton import interpreting
+
+    if interpreting():
+        print("compile_check: unset TRITON_INTERPRET; the interpreter compiles nothing", file=sys.stderr)
+        return 2
+    dtypes = [getattr(torch, name) for name in args.dtypes]
+    lines = [line for arch in args.arch for line in compile_all(arch, dtypes)]
+    print("\n".join(lines))
+    failed = sum(line.startswith("FAIL") for line in lines)
+    print(f"{len(lines) - failed} kernel builds ok, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""kernels.ops: backend selection, and one attention layer step equal on both backends."""
+
+import pytest
+import torch
+
+from kernels import ops
+from kernels.testing import make_paged_inputs
+from tests.kernels.cases import ATTENTION_BATCHES, assert_close, require_triton
+
+
+@pytest.fixture(autouse=True)
+def no_forced_backend(monkeypatch):
+    monkeypatch.delenv("BATCHGEN_KERNELS", raising=False)
+    ops.set_backend(None)
+    yield
+    ops.set_backend(None)
+
+
+def test_cpu_tensors_use_torch_unless_forced(monkeypatch):
+    x = torch.zeros(1)
+    assert ops.get_backend(x) == "torch"
+    monkeypatch.setenv("BATCHGEN_KERNELS", "auto")
+    assert ops.get_backend(x) == "torch"
+    monkeypatch.setenv("BATCHGEN_KERNELS", "torch")
+    assert ops.get_backend(x) == "torch"
+
+
+def test_set_backend_wins_over_the_environment(monkeypatch):
+    require_triton()
+    monkeypatch.setenv("BATCHGEN_KERNELS", "torch")
+    ops.set_backend("triton")
+    assert ops.get_backend(torch.zeros(1)) == "triton"
+    ops.set_backend("auto")
+    assert ops.get_backend(torch.zeros(1)) == "torch"
+
+
+def test_bad_backend_names_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="kernel backend must be one of"):
+        ops.set_backend("cuda")
+    monkeypatch.setenv("BATCHGEN_KERNELS", "trition")
+    with pytest.raises(ValueError, match="BATCHGEN_KERNELS must be one of.*'trition'"):
+        ops.rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6)
+
+
+def test_triton_on_cpu_without_the_interpreter_says_how_to_fix_it(monkeypatch):
+    require_triton()
+    monkeypatch.setenv("BATCHGEN_KERNELS", "triton")
+    monkeypatch.setattr(ops, "interpreting", lambda: False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        ops.silu_and_mul(torch.ones(1, 4))
+
+
+def _layer_step(inputs, positions, cache):
+    """What the model does per layer: rotate q/k, store k/v, attend, then norm and MLP gate."""
+    q, k = ops.rotary_embedding(positions, inputs.q.clone(), inputs.key.clone(), cache)
+    k_cache, v_cache = torch.zeros_like(inputs.k_cache), torch.zeros_like(inputs.v_cache)
+    ops.store_kv_cache(k, inputs.value, k_cache, v_cache, inputs.meta.slot_mapping)
+    attn = ops.paged_attention(q, k_cache, v_cache, inputs.meta, inputs.scale)  # (T, Hq, D)
+    hidden = attn.flatten(1)
+    normed, residual = ops.fused_add_rms_norm(hidden, hidden.flip(0), torch.ones(hidden.shape[1]), 1e-6)
+    return ops.silu_and_mul(ops.rms_norm(normed, torch.full((normed.shape[1],), 0.5), 1e-6)), residual
+
+
+@pytest.mark.parametrize("batch", ["decodes", "mixed"])
+def test_one_layer_step_is_the_same_on_both_backends(batch, monkeypatch):
+    require_triton()
+    query_lens, context_lens = ATTENTION_BATCHES[batch]
+    inputs = make_paged_inputs(query_lens, context_lens, 9, 3, 64, 16)
+    pairs = zip(query_lens, context_lens, strict=True)
+    positions = torch.tensor([c - q + i for q, c in pairs for i in range(q)])
+    cache = ops.make_cos_sin_cache(64, 128, 10000.0, torch.float32, "cpu")
+    want = _layer_step(inputs, positions, cache)
+    monkeypatch.setenv("BATCHGEN_KERNELS", "triton")
+    got = _layer_step(inputs, positions, cache)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, torch.float32)
