@@ -1,0 +1,188 @@
+"""What the pages show, read from the views: job summaries, workers, sweep configurations.
+
+Each function runs the named queries of `dashboard.queries` on the request's cursor and adds what
+is derived from the clock (tokens/s, ETA, age). Rows go out as dataclasses so the templates and the
+JSON endpoints use the same names.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, fields
+
+from dashboard import queries
+from dashboard.db import fetch_dicts, fetch_one
+from engine.config import EngineConfig
+
+LIVE_STATUSES = ("queued", "running")
+MAX_JOBS = 500  # jobs listed on the jobs page
+MAX_SHARDS = 5000  # shards listed on a job page
+RECENT_WINDOW_S = 60.0  # "recent" tokens/s of a worker: over this window before now
+HEARTBEAT_STALE_S = 30.0  # a worker whose last iteration is older than this shows as idle
+
+
+@dataclass
+class JobSummary:
+    """One row of the jobs page: the `jobs` view plus live progress and clock-derived rates."""
+
+    job_id: str
+    status: str  # queued | running | completed | failed | cancelled
+    model: str | None
+    num_requests: int | None  # rows of the input Parquet
+    num_shards: int | None
+    shards_completed: int
+    shards_failed: int
+    shards_running: int
+    rows_done: int  # committed output rows + finished requests of running attempts
+    output_tokens: int  # generated tokens of those rows
+    prompt_tokens: int  # prompt tokens of the committed rows
+    error_rows: int  # output rows with finish_reason 'error'
+    error: str | None  # the first failed shard's error, or the cancel reason
+    submitted_ts: float | None  # epoch seconds
+    started_ts: float | None  # first shard attempt started
+    finished_ts: float | None  # set once the job is completed, failed or cancelled
+    progress: float  # rows_done / num_requests, in [0, 1]
+    elapsed_s: float | None  # started -> finished (or now, while live)
+    output_tokens_per_s: float | None  # output_tokens / elapsed_s
+    rows_per_s: float | None  # rows_done / elapsed_s
+    eta_s: float | None  # rows left / rows_per_s, while live
+    age_s: float | None  # now - submitted
+    live: bool  # queued or running: the page keeps refreshing
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def job_summaries(limit: int = MAX_JOBS) -> list[JobSummary]:
+    now = time.time()
+    return [_summary(row, now) for row in fetch_dicts(queries.JOBS_SUMMARY, {"limit": limit})]
+
+
+def job_summary(job_id: str) -> tuple[JobSummary, dict] | None:
+    """The job's summary and its config (parsed JSON), or None when there is no such job."""
+    row = fetch_one(queries.JOB_SUMMARY, {"job_id": job_id, "limit": 1})
+    if row is None:
+        return None
+    return _summary(row, time.time()), parse_config(row.get("config"))
+
+
+def _summary(row: dict, now: float) -> JobSummary:
+    names = {f.name for f in fields(JobSummary)}
+    base = {k: v for k, v in row.items() if k in names}
+    live = row["status"] in LIVE_STATUSES
+    rates = job_rates(row, now, live)
+    return JobSummary(**base, **rates, live=live)
+
+
+def job_rates(row: dict, now: float, live: bool) -> dict:
+    """progress, elapsed, tokens/s, rows/s, ETA and age of one `JOBS_SUMMARY` row."""
+    total, done = row["num_requests"], row["rows_done"] or 0
+    started, finished = row["started_ts"], row["finished_ts"]
+    end = finished if finished is not None else (now if live else None)
+    elapsed = end - started if started is not None and end is not None else None
+    per_s = (lambda n: n / elapsed) if elapsed and elapsed > 0 else (lambda n: None)
+    rows_per_s = per_s(done)
+    eta = (total - done) / rows_per_s if live and rows_per_s and total is not None else None
+    return {
+        "progress": min(done / total, 1.0) if total else (1.0 if row["status"] == "completed" else 0.0),
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": per_s(row["output_tokens"] or 0),
+        "rows_per_s": rows_per_s,
+        "eta_s": max(eta, 0.0) if eta is not None else None,
+        "age_s": now - row["submitted_ts"] if row["submitted_ts"] is not None else None,
+    }
+
+
+def parse_config(text: str | None) -> dict:
+    """A job's config JSON as a dict ({} when empty; {'unparsed': text} when it is not JSON)."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {"unparsed": text}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def engine_config_of(config: dict) -> dict:
+    """The EngineConfig fields found in a job config (top level or under 'engine')."""
+    names = {f.name for f in fields(EngineConfig)}
+    source = config.get("engine") if isinstance(config.get("engine"), dict) else config
+    return {k: v for k, v in source.items() if k in names}
+
+
+def job_shards(job_id: str) -> list[dict]:
+    return fetch_dicts(queries.JOB_SHARDS, {"job_id": job_id, "limit": MAX_SHARDS})
+
+
+def job_outputs_sample(job_id: str, limit: int) -> list[dict]:
+    return fetch_dicts(queries.JOB_OUTPUTS_SAMPLE, {"job_id": job_id, "limit": limit})
+
+
+def job_preemptions(job_id: str) -> dict:
+    return fetch_one(queries.JOB_PREEMPTIONS, {"job_id": job_id}) or {"request_preemptions": 0,
+                                                                        "requests_preempted": 0}
+
+
+# ---------------------------------------------------------------- workers
+
+
+@dataclass
+class WorkerSummary:
+    """A worker seen in the `iterations` telemetry."""
+
+    worker_id: str
+    iterations: int  # engine steps it has written
+    first_seen_ts: float  # its first iteration
+    last_seen_ts: float  # end of its last iteration: the heartbeat
+    max_num_seqs: int  # the limits in force at its last iteration
+    token_budget: int
+    kv_blocks_total: int
+    kv_blocks_used: int  # at its last iteration
+    num_running: int  # running sequences at its last iteration
+    num_waiting: int  # waiting requests at its last iteration
+    recent_decode_tokens_per_s: float  # over the last RECENT_WINDOW_S seconds
+    recent_scheduled_tokens_per_s: float
+    lifetime_decode_tokens_per_s: float  # first to last iteration
+    preemptions: int
+    alive: bool  # last heartbeat within HEARTBEAT_STALE_S
+    current_shards: list[dict]  # shards it is running now (job_id, shard_id, attempts, started_ts)
+    latest_job_id: str | None  # the job of the shard it started last
+    model: str | None  # that job's model
+    engine_config: dict  # that job's engine settings
+
+    def as_json(self) -> dict:
+        return asdict(self)
+
+
+def worker_summaries() -> list[WorkerSummary]:
+    now = time.time()
+    rows = fetch_dicts(queries.WORKERS, {"now": now, "window_s": RECENT_WINDOW_S})
+    running = fetch_dicts(queries.WORKER_SHARDS)
+    latest = {r["worker_id"]: r for r in fetch_dicts(queries.WORKER_LATEST_JOB)}
+    return [_worker(row, running, latest.get(row["worker_id"], {}), now) for row in rows]
+
+
+def _worker(row: dict, running: list[dict], latest: dict, now: float) -> WorkerSummary:
+    shards = [{k: s[k] for k in ("job_id", "shard_id", "attempts", "started_ts")}
+              for s in running if s["worker_id"] == row["worker_id"]]
+    return WorkerSummary(
+        **row,
+        alive=now - row["last_seen_ts"] <= HEARTBEAT_STALE_S,
+        current_shards=shards,
+        latest_job_id=latest.get("job_id"),
+        model=latest.get("model"),
+        engine_config=engine_config_of(parse_config(latest.get("config"))),
+    )
+
+
+# ---------------------------------------------------------------- sweeps
+
+
+def sweep_configurations(limit: int = 5000) -> dict[str, list[dict]]:
+    """sweep_id -> its measured configurations (repeats averaged), by throughput; newest sweep first."""
+    groups: dict[str, list[dict]] = {}
+    for row in fetch_dicts(queries.SWEEP_CONFIGURATIONS, {"limit": limit}):
+        groups.setdefault(row["sweep_id"], []).append(row)
+    return dict(sorted(groups.items(), key=lambda kv: -max(r["ts"] for r in kv[1])))

@@ -1,0 +1,114 @@
+"""The read connection: `get_db()` for a request, closed by the teardown (as in Flask's flaskr).
+
+One in-memory DuckDB database per app holds the store's views (`jobs.store.connect`); each request
+gets its own cursor on it (a DuckDB connection is not safe to share between threads, its cursors
+are) and closes it at teardown. The views read the Parquet parts afresh on every query, so a
+cursor always sees what the writers have renamed into place.
+
+A data dir that does not exist yet is not an error: `get_db()` returns None and pages show their
+empty state. Page queries run with a time limit, and one that meets a part file removed under it
+(the compactor at work) runs again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import duckdb
+from flask import Flask, current_app, g
+
+from jobs.store.catalog import connect
+from jobs.store.layout import Layout
+from jobs.store.usersql import QueryResult, UserSqlError, run_query
+
+# How often a query is tried when a part file vanishes under it, and the pause between tries.
+QUERY_TRIES = 4
+RETRY_PAUSE_S = 0.05
+# Rows one page query may return: the series are bucketed in SQL far below this.
+MAX_PAGE_ROWS = 200_000
+
+Params = dict | list | None
+
+
+class ViewSource:
+    """The app's base connection with the views; created on first use, once the data dir exists."""
+
+    def __init__(self, data_dir: str) -> None:
+        self.data_dir = data_dir  # as configured; resolved by the store
+        self._base: duckdb.DuckDBPyConnection | None = None  # holds the views; never queried directly
+        self._lock = threading.Lock()  # guards _base and cursor() calls on it
+
+    def cursor(self) -> duckdb.DuckDBPyConnection | None:
+        """A new cursor over the views, or None while the data dir does not exist."""
+        with self._lock:
+            if self._base is None:
+                if not Layout.of(self.data_dir).root.is_dir():
+                    return None
+                self._base = connect(self.data_dir)
+            return self._base.cursor()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._base is not None:
+                self._base.close()
+                self._base = None
+
+
+def init_app(app: Flask) -> None:
+    app.extensions["batchgen_views"] = ViewSource(app.config["DATA_DIR"])
+    app.teardown_appcontext(close_db)
+
+
+def get_db() -> duckdb.DuckDBPyConnection | None:
+    """This request's cursor over the views (None when the data dir does not exist yet)."""
+    if "db" not in g:
+        g.db = current_app.extensions["batchgen_views"].cursor()
+    return g.db
+
+
+def close_db(exc: BaseException | None = None) -> None:
+    db = g.pop("db", None)
+    if db is not None:
+        db.close()
+
+
+def run(sql: str, params: Params = None) -> QueryResult | None:
+    """Run one of the dashboard's parameterized queries on this request's cursor.
+
+    The store's `run_query` bounds it in time (PAGE_QUERY_TIMEOUT_S); a part file that vanishes
+    under the query (the compactor at work) makes it run again. None when there is no data dir.
+    """
+    db = get_db()
+    if db is None:
+        return None
+    timeout_s = current_app.config["PAGE_QUERY_TIMEOUT_S"]
+    for attempt in range(QUERY_TRIES):
+        try:
+            return run_query(db, sql, params, timeout_s=timeout_s, max_rows=MAX_PAGE_ROWS)
+        except UserSqlError as exc:
+            if not isinstance(exc.__cause__, duckdb.IOException) or attempt == QUERY_TRIES - 1:
+                raise
+            time.sleep(RETRY_PAUSE_S * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def fetch_dicts(sql: str, params: Params = None) -> list[dict]:
+    """Rows as dicts (column name -> Python value); [] when there is no data dir yet."""
+    result = run(sql, params)
+    if result is None:
+        return []
+    return [dict(zip(result.columns, row, strict=True)) for row in result.rows]
+
+
+def fetch_one(sql: str, params: Params = None) -> dict | None:
+    rows = fetch_dicts(sql, params)
+    return rows[0] if rows else None
+
+
+def fetch_columns(sql: str, params: Params = None) -> dict[str, list]:
+    """Columns as lists (name -> values), the shape uPlot draws from; {} without a data dir."""
+    result = run(sql, params)
+    if result is None:
+        return {}
+    return {name: [row[i] for row in result.rows] for i, name in enumerate(result.columns)}

@@ -1,0 +1,166 @@
+/* batchgen dashboard: shared helpers for the page scripts (formatting, fetching, uPlot charts). */
+"use strict";
+
+const bg = (() => {
+  const DASH = "–";
+  const missing = (v) => v === null || v === undefined || Number.isNaN(v) || !Number.isFinite(Number(v));
+
+  // Same output as dashboard/formatting.py
+  const fmt = {
+    num(v, digits = 0) {
+      if (missing(v)) return DASH;
+      return Number(v).toLocaleString("en-US", { minimumFractionDigits: digits, maximumFractionDigits: digits });
+    },
+    rate(v) {
+      if (missing(v)) return DASH;
+      if (v >= 100) return fmt.num(v, 0);
+      if (v >= 10) return v.toFixed(1);
+      return v.toFixed(2);
+    },
+    duration(s) {
+      if (missing(s)) return DASH;
+      if (s < 1) return s >= 0.001 ? `${(s * 1000).toFixed(0)} ms` : `${(s * 1e6).toFixed(0)} µs`;
+      if (s < 60) return `${s.toFixed(1)} s`;
+      let m = Math.floor(Math.round(s) / 60);
+      const sec = Math.round(s) % 60;
+      if (m < 60) return `${m}m ${String(sec).padStart(2, "0")}s`;
+      const h = Math.floor(m / 60);
+      m %= 60;
+      return h < 48 ? `${h}h ${String(m).padStart(2, "0")}m` : `${Math.floor(h / 24)}d ${String(h % 24).padStart(2, "0")}h`;
+    },
+    /* Axis ticks: a duration with the fewest characters that still tells ticks apart. */
+    axisDuration(s) {
+      if (missing(s)) return "";
+      if (s === 0) return "0";
+      if (s < 1) return `${+(s * 1000).toPrecision(3)} ms`;
+      return `${+s.toPrecision(3)} s`;
+    },
+    compact(v) {
+      if (missing(v)) return "";
+      const a = Math.abs(v);
+      if (a >= 1e6) return `${+(v / 1e6).toPrecision(3)}M`;
+      if (a >= 1e3) return `${+(v / 1e3).toPrecision(3)}k`;
+      return `${+v.toPrecision(4)}`;
+    },
+  };
+
+  async function getJSON(url) {
+    const response = await fetch(url, { headers: { Accept: "application/json" }, credentials: "same-origin" });
+    const body = await response.json().catch(() => ({}));
+    if (!response.ok) throw new Error(body.error || `${response.status} ${response.statusText}`);
+    return body;
+  }
+
+  /* Element builder: el("td", {class: "num"}, "12") -- text only, never HTML. */
+  function el(tag, attrs = {}, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs)) {
+      if (v === null || v === undefined || v === false) continue;
+      if (k === "class") node.className = v;
+      else if (k === "style") node.style.cssText = v;
+      else node.setAttribute(k, v);
+    }
+    for (const child of children) node.append(child instanceof Node ? child : String(child ?? ""));
+    return node;
+  }
+
+  const colors = {
+    blue: "#2f6fde", green: "#1f9d55", orange: "#e08a1e", red: "#d64545", purple: "#7b57d1",
+    grey: "#8a93a6", teal: "#1a9aa0",
+  };
+  const alpha = (hex, a) => hex + Math.round(a * 255).toString(16).padStart(2, "0");
+
+  const charts = new WeakMap(); // container element -> uPlot
+
+  function chartHeight(container) {
+    return container.classList.contains("small") ? 170 : 240;
+  }
+
+  /* Draw (or redraw) a uPlot chart in `container`. data[0] is x; no x values -> an empty note. */
+  function chart(container, opts, data, emptyText = "no data yet") {
+    const old = charts.get(container);
+    const n = data[0] ? data[0].length : 0;
+    container.dataset.points = String(n);
+    if (n === 0) {
+      if (old) { old.destroy(); charts.delete(container); }
+      container.replaceChildren(el("div", { class: "chart-empty" }, emptyText));
+      return null;
+    }
+    if (old && old.series.length === opts.series.length) {
+      old.setData(data);
+      return old;
+    }
+    if (old) old.destroy();
+    container.replaceChildren();
+    const width = Math.max(container.clientWidth, 200);
+    const u = new uPlot({ width, height: chartHeight(container), ...opts }, data, container);
+    charts.set(container, u);
+    new ResizeObserver(() => {
+      const w = Math.max(container.clientWidth, 200);
+      if (w !== u.width) u.setSize({ width: w, height: chartHeight(container) });
+    }).observe(container);
+    return u;
+  }
+
+  function chartError(container, error) {
+    container.dataset.points = "0";
+    container.replaceChildren(el("div", { class: "chart-empty" }, `could not load: ${error.message}`));
+  }
+
+  /* Vertical marker lines (e.g. p50 / p90 / p99) drawn over a chart, labelled at the top. */
+  function markersPlugin(markers) {
+    return {
+      hooks: {
+        draw: [(u) => {
+          const { ctx } = u;
+          const top = u.bbox.top;
+          const bottom = top + u.bbox.height;
+          ctx.save();
+          ctx.font = `${11 * devicePixelRatio}px system-ui, sans-serif`;
+          ctx.textAlign = "left";
+          for (const m of markers) {
+            if (missing(m.value)) continue;
+            const x = Math.round(u.valToPos(m.value, "x", true));
+            ctx.strokeStyle = m.color;
+            ctx.fillStyle = m.color;
+            ctx.setLineDash([4 * devicePixelRatio, 3 * devicePixelRatio]);
+            ctx.lineWidth = devicePixelRatio;
+            ctx.beginPath();
+            ctx.moveTo(x, top);
+            ctx.lineTo(x, bottom);
+            ctx.stroke();
+            ctx.fillText(m.label, x + 3 * devicePixelRatio, top + (12 + 12 * (m.row || 0)) * devicePixelRatio);
+          }
+          ctx.restore();
+        }],
+      },
+    };
+  }
+
+  /* Text next to each point of one series (e.g. the swept knob's value). */
+  function pointLabelsPlugin(seriesIdx, labels, color) {
+    return {
+      hooks: {
+        draw: [(u) => {
+          const { ctx } = u;
+          ctx.save();
+          ctx.font = `${10 * devicePixelRatio}px system-ui, sans-serif`;
+          ctx.fillStyle = color;
+          const xs = u.data[0];
+          const ys = u.data[seriesIdx];
+          for (let i = 0; i < xs.length; i++) {
+            if (missing(ys[i])) continue;
+            const x = u.valToPos(xs[i], "x", true);
+            const y = u.valToPos(ys[i], u.series[seriesIdx].scale, true);
+            ctx.fillText(labels[i], x + 5 * devicePixelRatio, y - 5 * devicePixelRatio);
+          }
+          ctx.restore();
+        }],
+      },
+    };
+  }
+
+  const axisStyle = { stroke: "#687185", grid: { stroke: "#eceef2", width: 1 }, ticks: { stroke: "#e1e4ea", width: 1 } };
+
+  return { fmt, getJSON, el, colors, alpha, chart, chartError, markersPlugin, pointLabelsPlugin, axisStyle, missing };
+})();
