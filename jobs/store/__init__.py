@@ -1,0 +1,51 @@
+"""The results and telemetry store: Parquet parts are the write path, DuckDB views the read path.
+
+Layout of a data dir (DATA_DIR: `--data-dir`, `$BATCHGEN_DATA_DIR`, default `./data`)::
+
+    DATA_DIR/
+      batchgen.duckdb              catalog: the same views, for a user's `duckdb` CLI
+                                   (batchgen's own readers never open it)
+      store/
+        version.json               {"schema_version": N}
+        tables/<kind>/
+          _schema.parquet          zero rows: keeps the glob non-empty, fixes the base column types
+          raw/<group>/<part>       parts as written: <group> is the job id (job kinds), the worker
+                                   (iterations) or the sweep id (sweeps)
+          compacted/<group>/c<16 digits>~<uid>.parquet   merged parts (newest name sorts first)
+        tmp/                       temporary names (outside every glob); renamed into tables/
+        gc/                        tombstones: inputs of a compaction, deleted after a grace period
+        locks/                     one lock file per group being compacted
+      (samples/, jobs/, ... belong to other parts of batchgen)
+
+    part name: <job>~s<shard:06d>~a<attempt:03d>~<uid>~<kind>~<seq:06d>.parquet   (shard attempt kinds)
+               <group>~<uid>~<kind>~<seq:06d>.parquet                            (everything else)
+
+Kinds: job_records, job_events (cancel requests), shard_events, commits, outputs, requests,
+iterations, sweeps (`schemas.py`). Views: jobs, shards, outputs, requests, requests_live,
+iterations, sweeps (`catalog.py`).
+
+Public API:
+
+- write: `Store(data_dir)` -> `begin_attempt(...)` -> `ShardAttempt.add_outputs / add_requests /
+  add_request / flush / commit / fail / cancel`; `telemetry_buffer(worker_id)` -> `TelemetryBuffer`;
+  `record_job`, `record_shard_events`, `request_cancel`, `record_sweep`, `committed` (`parts.py`);
+  records `JobRecord`, `ShardEvent`, `SweepRecord`, `CommitRecord` (`schemas.py`).
+- read: `connect(data_dir, read_only_user_sql=False) -> duckdb.DuckDBPyConnection`,
+  `write_catalog(data_dir)` (`catalog.py`); `run_query`, `run_user_query`, `QueryResult`,
+  `UserSqlError`, `QueryTimeout` (`usersql.py`); `QUERIES`, `run_named`, `README_EXAMPLES`
+  (`queries.py`).
+- maintenance: `compact`, `compact_job`, `compact_telemetry`, `collect_garbage` (`compact.py`).
+- `batchgen sql` (`cli.py`), `python -m jobs.store.bench` (`bench.py`).
+"""
+
+from jobs.store.catalog import connect, write_catalog
+from jobs.store.layout import SCHEMA_VERSION, Layout, StoreError
+from jobs.store.parts import ShardAttempt, Store, TelemetryBuffer
+from jobs.store.schemas import CommitRecord, JobRecord, ShardEvent, SweepRecord
+from jobs.store.usersql import QueryResult, QueryTimeout, UserSqlError, run_query, run_user_query
+
+__all__ = [
+    "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout", "ShardAttempt",
+    "ShardEvent", "Store", "StoreError", "SweepRecord", "TelemetryBuffer", "UserSqlError", "connect",
+    "run_query", "run_user_query", "write_catalog",
+]

@@ -1,0 +1,294 @@
+"""The read path: one definition of the views, used for in-memory connections and the catalog file.
+
+`connect(data_dir)` returns an in-memory DuckDB connection with every view defined over the data
+dir's Parquet globs. It never opens `DATA_DIR/batchgen.duckdb`: a user's `duckdb` CLI holding that
+file would lock every other process out. `write_catalog(data_dir)` (re)creates the same views in the
+catalog file for users who want `duckdb data/batchgen.duckdb`; it is called on set-up and after
+compaction, and skipped quietly while someone holds the file.
+
+Views (DESIGN.md "Views"; the `_bg_*` names are internal):
+
+- `jobs`, `shards`: status derived from job records, shard events, cancel requests and commits.
+- `outputs`, `requests`: rows of the one committed attempt per shard (first committed wins).
+- `requests_live`: also the rows of each uncommitted shard's latest attempt (`committed` = false),
+  for live progress; a killed attempt's rows show there until its retry starts writing.
+- `iterations`, `sweeps`: every written row (not tied to shard attempts).
+
+How a view stays correct while writers and the compactor work:
+- Each kind is one `read_parquet` over one glob (`store/tables/<kind>/**/*.parquet`), so a query sees
+  one set of files. A row is kept only from the first file (by path) that holds its raw part
+  (`_bg_part`): compacted files sort before raw parts, so the rows of a part counted once whether the
+  query saw the raw part, the compacted file, or both.
+- `outputs` / `requests` read the commits before the data: a commit is written after all its
+  attempt's parts are in place, so a commit seen implies all its parts are seen.
+- Every kind has a zero-row `_schema.parquet`, so an empty data dir gives zero rows, not an error.
+- Paths are absolute (resolved when the connection is made), so views work from any cwd.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import duckdb
+
+from jobs.store.layout import SCHEMA_VERSION, Layout, StoreError, init_data_dir, write_atomic
+from jobs.store.schemas import KINDS
+
+log = logging.getLogger(__name__)
+
+USER_VIEWS = ("jobs", "shards", "outputs", "requests", "requests_live", "iterations", "sweeps")
+
+# version -> function(layout) upgrading a data dir written at that version to version + 1.
+# Version 1 is the first released layout; there is nothing older to migrate yet.
+MIGRATIONS: dict[int, object] = {}
+
+
+def _q(path: str) -> str:
+    return "'" + path.replace("'", "''") + "'"
+
+
+def _scan_sql(layout: Layout, kind: str) -> str:
+    """Every row of a kind once: from the first file (compacted before raw) holding its part."""
+    return (
+        f"SELECT * EXCLUDE (_bg_file) FROM read_parquet({_q(layout.glob(kind))}, union_by_name = true, "
+        "hive_partitioning = false, filename = '_bg_file') "
+        "QUALIFY _bg_file = min(_bg_file) OVER (PARTITION BY _bg_part)"
+    )
+
+
+_WINNERS = """
+SELECT * FROM _scan_commits
+QUALIFY row_number() OVER (PARTITION BY job_id, shard_id ORDER BY committed_ts, _bg_attempt_id) = 1
+"""
+
+_JOB_RECORDS = """
+SELECT * FROM _scan_job_records
+QUALIFY row_number() OVER (PARTITION BY job_id ORDER BY submitted_ts, _bg_part) = 1
+"""
+
+_CANCELS = """
+SELECT job_id, min(ts) AS cancel_ts, arg_min(reason, ts) AS cancel_reason
+FROM _scan_job_events WHERE event = 'cancel_requested' GROUP BY job_id
+"""
+
+# commits first (see the module docstring: a seen commit implies its parts are seen)
+_OUTPUTS = """
+SELECT o.* EXCLUDE (_bg_shard_id, _bg_attempt_id, _bg_part)
+FROM _winners AS w JOIN _scan_outputs AS o ON o.job_id = w.job_id AND o._bg_attempt_id = w._bg_attempt_id
+"""
+
+_REQUESTS = """
+SELECT r.* EXCLUDE (_bg_attempt_id, _bg_part)
+FROM _winners AS w JOIN _scan_requests AS r ON r.job_id = w.job_id AND r._bg_attempt_id = w._bg_attempt_id
+"""
+
+_REQUESTS_LIVE = """
+SELECT r.* EXCLUDE (_bg_attempt_id, _bg_part), w._bg_attempt_id IS NOT NULL AS committed
+FROM _winners AS w RIGHT JOIN _scan_requests AS r ON r.job_id = w.job_id AND r.shard_id = w.shard_id
+WHERE w._bg_attempt_id IS NULL OR r._bg_attempt_id = w._bg_attempt_id
+QUALIFY w._bg_attempt_id IS NOT NULL
+     OR (r.attempt, r._bg_attempt_id)
+        = max((r.attempt, r._bg_attempt_id)) OVER (PARTITION BY r.job_id, r.shard_id)
+"""
+
+# The last event of the latest attempt decides (a zombie attempt's late event does not win over a
+# newer attempt). A retry's `queued` event carries the attempt number about to run.
+_SHARD_EVENT_AGG = """
+SELECT job_id, shard_id,
+    arg_max(event, (attempt, ts, rank)) AS last_event,
+    arg_max(error, (attempt, ts, rank)) AS last_error,
+    arg_max(ts, (attempt, ts, rank)) AS last_ts,
+    arg_max(worker_id, (attempt, ts)) FILTER (WHERE event = 'running') AS last_worker,
+    count(DISTINCT _bg_attempt_id) FILTER (WHERE event = 'running') AS attempts_started,
+    max(num_requests) AS num_requests,
+    min(ts) FILTER (WHERE event = 'running') AS first_running_ts
+FROM (SELECT *, CASE event WHEN 'queued' THEN 0 WHEN 'running' THEN 1 ELSE 2 END AS rank
+      FROM _scan_shard_events)
+GROUP BY job_id, shard_id
+"""
+
+_SHARDS = """
+WITH keys AS (
+    SELECT job_id, shard_id FROM _shard_event_agg
+    UNION SELECT job_id, shard_id FROM _winners
+    UNION SELECT job_id, unnest(range(num_shards)) AS shard_id FROM _job_records
+)
+SELECT k.job_id, k.shard_id,
+    CASE WHEN w.job_id IS NOT NULL THEN 'completed'
+         WHEN a.last_event IN ('failed', 'cancelled') THEN a.last_event
+         WHEN c.cancel_ts IS NOT NULL THEN 'cancelled'
+         WHEN a.last_event IN ('running', 'completed') THEN 'running'
+         ELSE 'queued' END AS status,
+    greatest(coalesce(a.attempts_started, 0), CASE WHEN w.job_id IS NULL THEN 0 ELSE 1 END) AS attempts,
+    coalesce(w.worker_id, a.last_worker) AS worker_id,
+    coalesce(a.num_requests, w.num_outputs) AS num_requests,
+    to_timestamp(a.first_running_ts) AS started_at,
+    to_timestamp(CASE WHEN w.job_id IS NOT NULL THEN w.committed_ts
+                      WHEN a.last_event IN ('failed', 'cancelled') THEN a.last_ts
+                      ELSE c.cancel_ts END) AS finished_at,
+    CASE WHEN w.job_id IS NULL AND a.last_event IN ('failed', 'cancelled') THEN a.last_error END AS error,
+    coalesce(w.num_outputs, 0) AS rows_done,
+    coalesce(w.prompt_tokens, 0) AS prompt_tokens,
+    coalesce(w.output_tokens, 0) AS output_tokens,
+    w.attempt AS committed_attempt
+FROM keys AS k
+LEFT JOIN _shard_event_agg AS a ON a.job_id = k.job_id AND a.shard_id = k.shard_id
+LEFT JOIN _winners AS w ON w.job_id = k.job_id AND w.shard_id = k.shard_id
+LEFT JOIN _cancels AS c ON c.job_id = k.job_id
+"""
+
+_JOB_SHARDS = """
+SELECT job_id,
+    count(*) AS n,
+    count(*) FILTER (WHERE status = 'completed') AS completed,
+    count(*) FILTER (WHERE status = 'failed') AS failed,
+    count(*) FILTER (WHERE status = 'running') AS running,
+    count(*) FILTER (WHERE status = 'queued') AS queued,
+    min(started_at) AS started_at,
+    max(finished_at) AS finished_at,
+    sum(rows_done) AS rows_done,
+    sum(prompt_tokens) AS prompt_tokens,
+    sum(output_tokens) AS output_tokens,
+    arg_min(error, finished_at) FILTER (WHERE status = 'failed') AS error
+FROM shards GROUP BY job_id
+"""
+
+_JOBS = """
+WITH j AS (
+    SELECT coalesce(r.job_id, s.job_id) AS job_id,
+        CASE WHEN coalesce(s.completed, 0) = coalesce(r.num_shards, s.n) THEN 'completed'
+             WHEN c.cancel_ts IS NOT NULL THEN 'cancelled'
+             WHEN coalesce(s.queued, 0) + coalesce(s.running, 0) = 0 AND s.failed > 0 THEN 'failed'
+             WHEN coalesce(s.running, 0) + coalesce(s.completed, 0) > 0 THEN 'running'
+             ELSE 'queued' END AS status,
+        r.model, r.num_requests, coalesce(r.num_shards, s.n) AS num_shards,
+        to_timestamp(r.submitted_ts) AS submitted_at, s.started_at, s.finished_at AS last_shard_finished_at,
+        to_timestamp(c.cancel_ts) AS cancel_requested_at, r.config, r.output_path,
+        coalesce(s.completed, 0) AS shards_completed, coalesce(s.failed, 0) AS shards_failed,
+        coalesce(s.running, 0) AS shards_running, coalesce(s.rows_done, 0) AS rows_done,
+        coalesce(s.prompt_tokens, 0) AS prompt_tokens, coalesce(s.output_tokens, 0) AS output_tokens,
+        coalesce(s.error, c.cancel_reason) AS error
+    FROM _job_records AS r FULL JOIN _job_shards AS s ON s.job_id = r.job_id
+    LEFT JOIN _cancels AS c ON c.job_id = coalesce(r.job_id, s.job_id)
+)
+SELECT job_id, status, model, num_requests, num_shards, submitted_at, started_at,
+    CASE WHEN status IN ('completed', 'failed', 'cancelled')
+         THEN greatest(last_shard_finished_at, cancel_requested_at) END AS finished_at,
+    config, output_path, shards_completed, shards_failed, shards_running, rows_done, prompt_tokens,
+    output_tokens, error, cancel_requested_at
+FROM j
+"""
+
+
+def view_definitions(layout: Layout) -> list[tuple[str, str]]:
+    """(name, SELECT) of every view, in creation order: the one shared definition."""
+    views = [(f"_scan_{kind}", _scan_sql(layout, kind)) for kind in KINDS]
+    views += [
+        ("_winners", _WINNERS), ("_job_records", _JOB_RECORDS), ("_cancels", _CANCELS),
+        ("_shard_event_agg", _SHARD_EVENT_AGG),
+        ("outputs", _OUTPUTS), ("requests", _REQUESTS), ("requests_live", _REQUESTS_LIVE),
+        ("iterations", "SELECT * EXCLUDE (_bg_part) FROM _scan_iterations"),
+        ("sweeps", "SELECT * EXCLUDE (_bg_part) FROM _scan_sweeps"),
+        ("shards", _SHARDS), ("_job_shards", _JOB_SHARDS), ("jobs", _JOBS),
+    ]
+    return views
+
+
+def create_views(con: duckdb.DuckDBPyConnection, layout: Layout) -> None:
+    for name, select in view_definitions(layout):
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
+
+
+# ---------------------------------------------------------------- connections
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None) -> str | os.PathLike:
+    """data_dir, else $BATCHGEN_DATA_DIR, else ./data."""
+    from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
+
+    return data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV, DEFAULT_DATA_DIR)
+
+
+def connect(data_dir: str | os.PathLike | None = None, *, read_only_user_sql: bool = False,
+            memory_limit: str = "2GB", threads: int | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with the store's views over `data_dir`.
+
+    With `read_only_user_sql=True` the connection is hardened for SQL typed by a user (the dashboard,
+    `batchgen sql`): after the views exist, file access is limited to the store's tables directory,
+    extension autoload/autoinstall is off, `memory_limit` applies and the configuration is locked.
+    Run user SQL through `jobs.store.usersql.run_user_query`, which also refuses anything but one
+    SELECT (DuckDB itself would still let COPY write inside the allowed directory).
+    """
+    layout = init_data_dir(resolve_data_dir(data_dir), create=False)
+    con = duckdb.connect(":memory:")
+    try:
+        if threads is not None:
+            con.execute(f"SET threads = {int(threads)}")
+        create_views(con, layout)
+        if read_only_user_sql:
+            harden(con, layout, memory_limit)
+    except Exception:
+        con.close()
+        raise
+    return con
+
+
+def harden(con: duckdb.DuckDBPyConnection, layout: Layout, memory_limit: str) -> None:
+    """Lock a connection down to reading the store's views (see `connect`)."""
+    tables = str(layout.store / "tables") + os.sep
+    for stmt in (
+        "SET autoinstall_known_extensions = false",
+        "SET autoload_known_extensions = false",
+        "SET allow_community_extensions = false",
+        f"SET memory_limit = {_q(memory_limit)}",
+        f"SET allowed_directories = [{_q(tables)}]",
+        "SET enable_external_access = false",
+        "SET lock_configuration = true",
+    ):
+        con.execute(stmt)
+
+
+# ---------------------------------------------------------------- the catalog file and migrations
+
+
+def write_catalog(data_dir: str | os.PathLike) -> bool:
+    """(Re)create the views in DATA_DIR/batchgen.duckdb; False when the file is held by another process."""
+    layout = init_data_dir(data_dir)
+    try:
+        con = duckdb.connect(str(layout.catalog))
+    except duckdb.IOException as exc:
+        log.info("catalog %s is in use, views not refreshed: %s", layout.catalog, exc)
+        return False
+    try:
+        create_views(con, layout)
+        con.execute("CREATE OR REPLACE TABLE batchgen_meta AS "
+                    "SELECT ? AS schema_version, ? AS data_dir, ? AS written_at",
+                    [SCHEMA_VERSION, str(layout.root), time.time()])
+        con.execute("CHECKPOINT")
+    finally:
+        con.close()
+    return True
+
+
+def migrate(layout: Layout, version: int) -> None:
+    """Bring a data dir written at schema `version` up to SCHEMA_VERSION, or say what to do."""
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"data dir {layout.root} was written by a newer batchgen (store schema v{version}; this one "
+            f"reads v{SCHEMA_VERSION}): upgrade batchgen, or point --data-dir elsewhere"
+        )
+    while version < SCHEMA_VERSION:
+        step = MIGRATIONS.get(version)
+        if step is None:
+            raise StoreError(
+                f"data dir {layout.root} has store schema v{version} and this batchgen (v{SCHEMA_VERSION}) "
+                f"has no migration from it: read it with the batchgen release that wrote it and export what "
+                f"you need, or start a new data dir"
+            )
+        step(layout)  # type: ignore[operator]
+        version += 1
+        body = json.dumps({"schema_version": version}).encode()
+        write_atomic(layout.version_file, body, layout.tmp)

@@ -1,0 +1,261 @@
+"""Compaction: many small parts of a group merged into one file, safely under running readers.
+
+A group is one kind's parts of one job (outputs, requests, commits, events, the job record) or of
+one worker (iterations) or one sweep. Compacting a group:
+
+1. takes the group's lock (`store/locks/`, O_EXCL file; a stale one is broken after `STALE_LOCK_S`);
+2. merges every raw part and earlier compacted file of the group into one Parquet file, each row
+   keeping its `_bg_part`, written under a temporary name and renamed into
+   `compacted/<group>/c<16 digits>~<uid>.parquet` (newer names sort first);
+3. records the merged inputs in a tombstone under `store/gc/`, and deletes nothing.
+
+Readers stay correct at every instant: a view keeps a part's rows from the first file by path that
+holds them, and compacted files sort before raw parts, so a query that sees the new file, the old
+parts, or both counts every row once. `collect_garbage` deletes the inputs of a tombstone only after
+`grace_s` (default 10 minutes), far longer than any query the project runs (the dashboard's limit is
+seconds): a running query never has a file deleted under it.
+
+Compaction is physical only: the rows, and so every view's answer, are the same before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from jobs.store.catalog import connect, write_catalog
+from jobs.store.layout import Layout, StoreError, check_id, init_data_dir, new_uid, write_atomic
+from jobs.store.schemas import JOB_KINDS
+
+GRACE_S = 600.0  # inputs of a compaction are deleted this long after it
+STALE_LOCK_S = 900.0  # a lock older than this belongs to a dead compactor
+TMP_MAX_AGE_S = 3600.0  # temporary files older than this belong to dead writers
+TERMINAL = ("completed", "failed", "cancelled")
+
+# kind -> ORDER BY of its compacted file (row groups then prune well for the dashboard's filters)
+_SORT = {
+    "outputs": "_bg_shard_id, _bg_part",
+    "requests": "shard_id, finished_ts",
+    "iterations": "ts",
+    "commits": "shard_id, committed_ts",
+    "shard_events": "shard_id, ts",
+}
+
+
+@dataclass
+class CompactionReport:
+    """What one call to `compact*` did."""
+
+    groups: int = 0  # groups merged into a new file
+    files_in: int = 0  # files merged (raw parts + earlier compacted files)
+    rows: int = 0  # rows written to new compacted files
+    skipped: list[str] = field(default_factory=list)  # why some groups / jobs were left alone
+    deleted: int = 0  # files removed by garbage collection in this call
+
+    def add(self, other: CompactionReport) -> None:
+        self.groups += other.groups
+        self.files_in += other.files_in
+        self.rows += other.rows
+        self.skipped += other.skipped
+        self.deleted += other.deleted
+
+
+# ---------------------------------------------------------------- entry points
+
+
+def compact(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S,
+            min_age_s: float = 30.0) -> CompactionReport:
+    """Compact every finished job and all telemetry, collect garbage, refresh the catalog file."""
+    layout = init_data_dir(data_dir)
+    report = CompactionReport()
+    for job_id in _finished_jobs(layout):
+        report.add(compact_job(layout.root, job_id, force=True))
+    report.add(compact_telemetry(layout.root, min_age_s=min_age_s))
+    report.deleted += collect_garbage(layout.root, grace_s=grace_s)
+    write_catalog(layout.root)
+    return report
+
+
+def compact_job(data_dir: str | os.PathLike, job_id: str, *, force: bool = False) -> CompactionReport:
+    """Merge a finished job's parts (every job-scoped kind) into one file per kind.
+
+    A job that is not completed, failed or cancelled is skipped unless `force` (compacting a running
+    job is still correct, only wasteful: its new parts stay raw until the next compaction).
+    """
+    layout = init_data_dir(data_dir)
+    check_id("job_id", job_id)
+    report = CompactionReport()
+    if not force and _job_status(layout, job_id) not in TERMINAL:
+        report.skipped.append(f"job {job_id} is not finished")
+        return report
+    for kind in JOB_KINDS:
+        report.add(compact_group(layout, kind, job_id))
+    return report
+
+
+def compact_telemetry(data_dir: str | os.PathLike, *, min_age_s: float = 30.0) -> CompactionReport:
+    """Merge each worker's iterations parts (and each sweep's parts) older than `min_age_s`."""
+    layout = init_data_dir(data_dir)
+    report = CompactionReport()
+    for kind in ("iterations", "sweeps"):
+        for group in _groups(layout, kind):
+            report.add(compact_group(layout, kind, group, min_age_s=min_age_s))
+    return report
+
+
+def compact_group(layout: Layout, kind: str, group: str, *, min_age_s: float = 0.0) -> CompactionReport:
+    """Merge one group's raw parts and compacted files into one new compacted file."""
+    report = CompactionReport()
+    with _group_lock(layout, kind, group) as locked:
+        if not locked:
+            report.skipped.append(f"{kind}/{group}: another compactor holds the lock")
+            return report
+        inputs = _inputs(layout, kind, group, min_age_s)
+        if len(inputs) < 2 and not any(p.parent.parent.name == "raw" for p in inputs):
+            return report  # nothing, or one file that is already compacted
+        out = layout.compacted_dir(kind, group) / _compacted_name()
+        report.rows = _merge(layout, kind, inputs, out)
+        _write_tombstone(layout, kind, group, inputs)
+        report.groups, report.files_in = 1, len(inputs)
+    return report
+
+
+def collect_garbage(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S) -> int:
+    """Delete the inputs of compactions older than `grace_s`, and stale temporary files; how many."""
+    layout = init_data_dir(data_dir)
+    deleted = 0
+    now = time.time()
+    for tomb in sorted(layout.gc.glob("*.json")):
+        info = json.loads(tomb.read_text())
+        if now - info["superseded_at"] < grace_s:
+            continue
+        with _group_lock(layout, info["kind"], info["group"]) as locked:
+            if locked:
+                deleted += _delete(Path(p) for p in info["files"])
+                tomb.unlink()
+    stale = [p for p in layout.tmp.iterdir() if now - _mtime(p, now) > TMP_MAX_AGE_S]
+    return deleted + _delete(stale)
+
+
+# ---------------------------------------------------------------- internals
+
+
+def _finished_jobs(layout: Layout) -> list[str]:
+    con = connect(layout.root)
+    try:
+        rows = con.execute("SELECT job_id FROM jobs WHERE status IN ('completed', 'failed', 'cancelled') "
+                           "ORDER BY job_id").fetchall()
+    finally:
+        con.close()
+    return [r[0] for r in rows]
+
+
+def _job_status(layout: Layout, job_id: str) -> str | None:
+    con = connect(layout.root)
+    try:
+        rows = con.execute("SELECT status FROM jobs WHERE job_id = ?", [job_id]).fetchall()
+    finally:
+        con.close()
+    return rows[0][0] if rows else None
+
+
+def _groups(layout: Layout, kind: str) -> list[str]:
+    raw = layout.kind_dir(kind) / "raw"
+    return sorted(p.name for p in raw.iterdir() if p.is_dir()) if raw.is_dir() else []
+
+
+def _inputs(layout: Layout, kind: str, group: str, min_age_s: float) -> list[Path]:
+    now = time.time()
+    compacted = sorted(layout.compacted_dir(kind, group).glob("*.parquet"))
+    raw = sorted(p for p in layout.raw_dir(kind, group).glob("*.parquet")
+                 if now - _mtime(p, now) >= min_age_s)
+    return compacted + raw
+
+
+def _compacted_name() -> str:
+    # newer files get smaller numbers, so they sort first among a group's compacted files
+    return f"c{10**16 - time.time_ns() // 1000:016d}~{new_uid()}.parquet"
+
+
+def _merge(layout: Layout, kind: str, inputs: list[Path], out: Path) -> int:
+    """Write the deduplicated union of `inputs` to `out` (temp name, then rename); rows written."""
+    files = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in inputs) + "]"
+    order = f" ORDER BY {_SORT[kind]}" if kind in _SORT else ""
+    tmp = layout.tmp / f"{new_uid()}.{out.name}.tmp"
+    select = (f"SELECT * EXCLUDE (_bg_file) FROM read_parquet({files}, union_by_name = true, "
+              "hive_partitioning = false, filename = '_bg_file') "
+              f"QUALIFY _bg_file = min(_bg_file) OVER (PARTITION BY _bg_part){order}")
+    con = duckdb.connect(":memory:")
+    try:
+        con.execute(f"COPY ({select}) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 100000)")
+        rows = con.execute(f"SELECT count(*) FROM read_parquet('{tmp}')").fetchall()[0][0]
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, out)
+    finally:
+        con.close()
+        if tmp.exists():
+            tmp.unlink()
+    return rows
+
+
+def _write_tombstone(layout: Layout, kind: str, group: str, inputs: list[Path]) -> None:
+    body = {"kind": kind, "group": group, "superseded_at": time.time(), "files": [str(p) for p in inputs]}
+    write_atomic(layout.gc / f"{kind}~{group}~{new_uid()}.json", json.dumps(body).encode(), layout.tmp)
+
+
+@contextmanager
+def _group_lock(layout: Layout, kind: str, group: str) -> Iterator[bool]:
+    """Yield True holding the group's lock, False when another live process holds it."""
+    path = layout.locks / f"{kind}~{group}.lock"
+    fd = _try_lock(path)
+    if fd is None and time.time() - _mtime(path, time.time()) > STALE_LOCK_S:
+        path.unlink(missing_ok=True)
+        fd = _try_lock(path)
+    if fd is None:
+        yield False
+        return
+    try:
+        os.write(fd, f"{socket.gethostname()} {os.getpid()} {time.time()}\n".encode())
+        os.close(fd)
+        yield True
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _try_lock(path: Path) -> int | None:
+    try:
+        return os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return None
+
+
+def _mtime(path: Path, default: float) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return default
+
+
+def _delete(paths) -> int:
+    n = 0
+    for p in paths:
+        try:
+            p.unlink()
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+__all__ = ["CompactionReport", "GRACE_S", "StoreError", "collect_garbage", "compact", "compact_group",
+           "compact_job", "compact_telemetry"]

@@ -1,0 +1,184 @@
+"""Where the store keeps things under DATA_DIR, the schema version, and data dir set-up.
+
+See the package docstring (`jobs.store`) for the layout as a picture. This module only computes
+paths, validates the ids that become path components, and writes the small fixed files (the
+version file and each kind's zero-row `_schema.parquet`) atomically, so any number of processes may
+call `init_data_dir` at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jobs.store.schemas import KIND_SCHEMAS
+
+# Bump when the part schemas or their meaning change; add a migration to MIGRATIONS in catalog.py.
+SCHEMA_VERSION = 1
+CATALOG_NAME = "batchgen.duckdb"
+STORE_DIR = "store"
+DEFAULT_DATA_DIR = "./data"
+DATA_DIR_ENV = "BATCHGEN_DATA_DIR"
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class StoreError(Exception):
+    """A data dir that cannot be used as it is (missing, newer schema, bad id, ...)."""
+
+
+def check_id(what: str, value: str) -> str:
+    """An id that becomes a path component: letters, digits, '.', '_', '-', at most 128 chars."""
+    if not isinstance(value, str) or not _ID_RE.match(value) or ".." in value:
+        raise StoreError(
+            f"{what} {value!r} is not a valid id: use 1-128 of [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def path_safe(value: str) -> str:
+    """A free-form name (a worker id such as celery@host) made safe for one path component."""
+    safe = _UNSAFE.sub("_", value)[:100].strip(".") or "_"
+    return safe
+
+
+def new_uid() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Absolute paths of one data dir. Every path a view or a writer uses comes from here."""
+
+    root: Path  # DATA_DIR, absolute and resolved
+
+    @classmethod
+    def of(cls, data_dir: str | os.PathLike) -> Layout:
+        return cls(Path(data_dir).expanduser().resolve())
+
+    @property
+    def catalog(self) -> Path:
+        return self.root / CATALOG_NAME
+
+    @property
+    def store(self) -> Path:
+        return self.root / STORE_DIR
+
+    @property
+    def version_file(self) -> Path:
+        return self.store / "version.json"
+
+    @property
+    def tmp(self) -> Path:
+        return self.store / "tmp"
+
+    @property
+    def gc(self) -> Path:
+        return self.store / "gc"
+
+    @property
+    def locks(self) -> Path:
+        return self.store / "locks"
+
+    def kind_dir(self, kind: str) -> Path:
+        return self.store / "tables" / kind
+
+    def raw_dir(self, kind: str, group: str) -> Path:
+        return self.kind_dir(kind) / "raw" / group
+
+    def compacted_dir(self, kind: str, group: str) -> Path:
+        return self.kind_dir(kind) / "compacted" / group
+
+    def glob(self, kind: str) -> str:
+        """One glob over a kind's schema file, raw parts and compacted files ('compacted' < 'raw')."""
+        return str(self.kind_dir(kind) / "**" / "*.parquet")
+
+
+def write_atomic(path: Path, data: bytes, tmp_dir: Path) -> None:
+    """Write bytes under a temporary name in tmp_dir, fsync, and rename into place."""
+    tmp = tmp_dir / f"{new_uid()}.{path.name}.tmp"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_table_atomic(table: pa.Table, path: Path, tmp_dir: Path) -> None:
+    """Write a Parquet file under a temporary name outside every glob and rename it into place."""
+    tmp = tmp_dir / f"{new_uid()}.{path.name}.tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            pq.write_table(table, fh, compression="zstd")
+            fh.flush()
+            os.fsync(fh.fileno())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def read_version(layout: Layout) -> int | None:
+    """The schema version recorded in the data dir, or None when the store was never set up."""
+    try:
+        return int(json.loads(layout.version_file.read_text())["schema_version"])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreError(f"{layout.version_file} is unreadable ({exc}); it should hold "
+                         f'{{"schema_version": {SCHEMA_VERSION}}}') from exc
+
+
+def init_data_dir(data_dir: str | os.PathLike, *, create: bool = True) -> Layout:
+    """Set up (idempotently) the store under data_dir and check its schema version.
+
+    With create=False a missing data dir is an error instead of being created (readers use this so
+    a typo in --data-dir is reported, not silently turned into an empty store).
+    """
+    layout = Layout.of(data_dir)
+    if not layout.root.is_dir():
+        if not create:
+            raise StoreError(f"data dir {layout.root} does not exist (set --data-dir or {DATA_DIR_ENV})")
+        layout.root.mkdir(parents=True, exist_ok=True)
+    version = read_version(layout)
+    if version is not None and version != SCHEMA_VERSION:
+        from jobs.store.catalog import migrate  # the view definitions own the migrations
+
+        migrate(layout, version)
+    _make_dirs(layout)
+    if version is None:
+        _write_version(layout)
+    _write_schema_files(layout)
+    return layout
+
+
+def _make_dirs(layout: Layout) -> None:
+    for path in (layout.tmp, layout.gc, layout.locks):
+        path.mkdir(parents=True, exist_ok=True)
+    for kind in KIND_SCHEMAS:
+        (layout.kind_dir(kind) / "raw").mkdir(parents=True, exist_ok=True)
+        (layout.kind_dir(kind) / "compacted").mkdir(parents=True, exist_ok=True)
+
+
+def _write_version(layout: Layout) -> None:
+    body = json.dumps({"schema_version": SCHEMA_VERSION}).encode()
+    write_atomic(layout.version_file, body, layout.tmp)
+
+
+def _write_schema_files(layout: Layout) -> None:
+    """A zero-row file per kind keeps its glob non-empty and fixes the base column types."""
+    for kind, schema in KIND_SCHEMAS.items():
+        path = layout.kind_dir(kind) / "_schema.parquet"
+        if path.exists() and pq.read_schema(path).equals(schema, check_metadata=False):
+            continue
+        write_table_atomic(schema.empty_table(), path, layout.tmp)

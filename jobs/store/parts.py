@@ -1,0 +1,505 @@
+"""The write path: Parquet part files written under a temporary name and renamed into place.
+
+Callers (the worker runtime, the submitter, `batchgen sweep`) go through `Store`:
+
+    store = Store(data_dir)                                   # sets up DATA_DIR/store (idempotent)
+    store.record_job(JobRecord(...))                          # at submission
+    store.record_shard_events([ShardEvent(..., "queued")])    # one part for many events
+    attempt = store.begin_attempt(job_id, shard_id, attempt=1, worker_id="w1")   # writes "running"
+    attempt.add_outputs([{"request_id": "7", "output_text": "...", "finish_reason": "stop",
+                          "prompt_tokens": 12, "output_tokens": 30, "error": None, "topic": "x"}])
+    attempt.add_request(request_id="7", finish_reason="stop", stats=request_stats)
+    attempt.commit()                                          # only now do its rows count
+    # or attempt.fail("CUDA OOM") / attempt.cancel("job cancelled")
+    with store.telemetry_buffer(worker_id="w1") as buf:       # one per engine, not per shard
+        buf.append(iteration_stats)                           # flushes itself when 2 s are due
+    store.request_cancel(job_id, reason="user")
+    store.record_sweep(SweepRecord(...))
+
+Buffers flush when `flush_interval_s` (2 s) has passed at the next append, when they reach
+`max_buffered_rows`, and on `flush()` / `commit()` / `close()`: there is no background thread, so a
+caller that stops appending must call `flush()` itself (the worker does at shard end). Nothing here
+grows without bound: a flushed buffer is emptied.
+
+Rows are dicts (or a `pyarrow.Table`); base columns are cast to the kind's schema (`schemas.py`), and a
+value that does not fit is an error naming the kind, the column and the row.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from engine.stats import IterationStats, RequestStats
+from jobs.store import schemas
+from jobs.store.layout import (
+    Layout,
+    StoreError,
+    check_id,
+    init_data_dir,
+    new_uid,
+    path_safe,
+    write_table_atomic,
+)
+from jobs.store.schemas import (
+    ATTEMPT_ID_COLUMN,
+    FINISH_REASONS,
+    INTERNAL_PREFIX,
+    JOB_EVENTS,
+    PART_COLUMN,
+    SHARD_COLUMN,
+    SHARD_EVENTS,
+    CommitRecord,
+    JobEvent,
+    JobRecord,
+    ShardEvent,
+    SweepRecord,
+)
+
+Rows = Sequence[Mapping] | pa.Table
+
+FLUSH_INTERVAL_S = 2.0
+MAX_BUFFERED_ROWS = 8192
+
+
+# ---------------------------------------------------------------- tables from rows
+
+
+def build_table(rows: Rows, schema: pa.Schema, *, kind: str, extra: bool = False,
+                extra_schema: pa.Schema | None = None) -> pa.Table:
+    """A table with `schema`'s columns first (cast), then any extra columns when `extra` is set."""
+    if isinstance(rows, pa.RecordBatch):
+        rows = pa.Table.from_batches([rows])
+    if isinstance(rows, pa.Table):
+        columns, names = _columns_from_table(rows, schema, kind)
+    else:
+        columns, names = _columns_from_dicts(rows, schema, kind)
+    unknown = [n for n in names if n not in schema.names]
+    if unknown and not extra:
+        raise StoreError(f"{kind} rows have unknown column(s) {unknown}; allowed: {schema.names}")
+    arrays = [_base_array(columns.get(f.name), f, kind, _num_rows(columns, rows)) for f in schema]
+    fields = list(schema)
+    for name in unknown:
+        if name.startswith(INTERNAL_PREFIX):
+            raise StoreError(f"{kind} column {name!r} uses the reserved prefix {INTERNAL_PREFIX!r}")
+        arr = _extra_array(columns[name], name, kind, extra_schema)
+        arrays.append(arr)
+        fields.append(pa.field(name, arr.type))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def _num_rows(columns: dict, rows: Rows) -> int:
+    return rows.num_rows if isinstance(rows, pa.Table) else len(rows)
+
+
+def _columns_from_dicts(rows: Sequence[Mapping], schema: pa.Schema, kind: str) -> tuple[dict, list[str]]:
+    names: dict[str, None] = {}
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise StoreError(f"{kind} row {i} is a {type(row).__name__}, not a mapping of column -> value")
+        names.update(dict.fromkeys(row))
+    columns = {name: [row.get(name) for row in rows] for name in names}
+    return columns, list(names)
+
+
+def _columns_from_table(table: pa.Table, schema: pa.Schema, kind: str) -> tuple[dict, list[str]]:
+    return {name: table.column(name) for name in table.column_names}, table.column_names
+
+
+def _base_array(values, fld: pa.Field, kind: str, n: int) -> pa.Array:
+    if values is None:
+        return pa.nulls(n, type=fld.type)
+    try:
+        if isinstance(values, pa.ChunkedArray):
+            return values.cast(fld.type).combine_chunks()
+        return pa.array(values, type=fld.type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError) as exc:
+        row = _first_bad_row(values, fld.type)
+        raise StoreError(f"{kind} column {fld.name!r} must be {fld.type}: row {row} holds "
+                         f"{_value_at(values, row)!r} ({exc})") from exc
+
+
+def _first_bad_row(values, typ: pa.DataType) -> int:
+    for i in range(len(values)):
+        try:
+            pa.array([_value_at(values, i)], type=typ)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError):
+            return i
+    return -1
+
+
+def _value_at(values, i: int):
+    if i < 0:
+        return None
+    value = values[i]
+    return value.as_py() if isinstance(value, pa.Scalar) else value
+
+
+def _extra_array(values, name: str, kind: str, extra_schema: pa.Schema | None) -> pa.Array:
+    known = extra_schema is not None and name in extra_schema.names
+    target = extra_schema.field(name).type if known else None
+    try:
+        if isinstance(values, pa.ChunkedArray):
+            arr = values.combine_chunks()
+            return arr.cast(target) if target is not None else arr
+        return pa.array(values, type=target)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError) as exc:
+        raise StoreError(f"{kind} extra column {name!r} cannot be stored as Parquet ({exc})") from exc
+
+
+# ---------------------------------------------------------------- the part writer
+
+
+@dataclass
+class PartWriter:
+    """Writes one kind's parts for one group (a job, a worker, a sweep) with one name prefix."""
+
+    layout: Layout
+    kind: str
+    group: str  # directory under raw/: a job id, a path-safe worker id, a sweep id
+    prefix: str  # file name prefix: carries job/worker, shard and attempt where there are ones
+    uid: str = field(default_factory=new_uid)  # this writer's instance: keeps names unique
+    seq: int = 0  # parts written so far (the sequence number in the next name)
+
+    def next_name(self) -> str:
+        return f"{self.prefix}~{self.uid}~{self.kind}~{self.seq:06d}.parquet"
+
+    def write(self, table: pa.Table) -> str:
+        """Write `table` (with its `_bg_part` column filled here) as the next part; its name."""
+        name = self.next_name()
+        table = _set_column(table, PART_COLUMN, pa.array([name] * table.num_rows, pa.string()))
+        write_table_atomic(table, self.layout.raw_dir(self.kind, self.group) / name, self.layout.tmp)
+        self.seq += 1
+        return name
+
+
+def _set_column(table: pa.Table, name: str, values: pa.Array) -> pa.Table:
+    i = table.schema.get_field_index(name)
+    if i < 0:
+        return table.append_column(name, values)
+    return table.set_column(i, pa.field(name, values.type), values)
+
+
+# ---------------------------------------------------------------- a shard attempt
+
+
+class ShardAttempt:
+    """Everything one attempt at one shard writes: output rows, request timing rows, then a commit.
+
+    Until `commit()`, the attempt's rows are invisible in `outputs` and `requests` (visible only in
+    `requests_live`); a killed attempt therefore leaves nothing behind in the views. If two attempts
+    of a shard both commit, the views count the one committed first (ties: smaller attempt id).
+    """
+
+    def __init__(self, store: Store, job_id: str, shard_id: int, attempt: int, worker_id: str, *,
+                 extra_schema: pa.Schema | None = None, flush_interval_s: float = FLUSH_INTERVAL_S,
+                 max_buffered_rows: int = MAX_BUFFERED_ROWS) -> None:
+        check_id("job_id", job_id)
+        _check_int("shard_id", shard_id, 0)
+        _check_int("attempt", attempt, 1)
+        self.store = store
+        self.job_id, self.shard_id, self.attempt, self.worker_id = job_id, shard_id, attempt, worker_id
+        self.attempt_id = f"{job_id}~s{shard_id}~a{attempt}~{new_uid()}"
+        self.extra_schema = extra_schema
+        self.flush_interval_s, self.max_buffered_rows = flush_interval_s, max_buffered_rows
+        self._prefix = f"{job_id}~s{shard_id:06d}~a{attempt:03d}"
+        self._writers = {kind: PartWriter(store.layout, kind, job_id, self._prefix)
+                         for kind in ("outputs", "requests")}
+        self._buffers: dict[str, list[Mapping]] = {"outputs": [], "requests": []}
+        self._parts: list[str] = []
+        self._totals = {"num_outputs": 0, "num_request_rows": 0, "prompt_tokens": 0, "output_tokens": 0}
+        self._last_flush = time.monotonic()
+        self.closed = False
+
+    # -- rows in
+
+    def add_outputs(self, rows: Iterable[Mapping]) -> None:
+        """Output rows: request_id, output_text, finish_reason, prompt_tokens, output_tokens, error,
+        plus the job's extra input columns. job_id is filled in (or must match)."""
+        self._add("outputs", [self._own_output(row) for row in rows])
+
+    def add_requests(self, rows: Iterable[Mapping]) -> None:
+        """Request timing rows: `RequestStats.as_row()` plus request_id and finish_reason (job_id,
+        shard_id, worker_id, attempt are filled in, or must match)."""
+        self._add("requests", [self._own_request(row) for row in rows])
+
+    def add_request(self, request_id: str, finish_reason: str, stats: RequestStats) -> None:
+        """One finished request's timing row from its `RequestStats`."""
+        self.add_requests([{"request_id": request_id, "finish_reason": finish_reason, **stats.as_row()}])
+
+    # -- lifecycle
+
+    def flush(self) -> None:
+        """Write what is buffered as parts now (they stay invisible until commit)."""
+        self._check_open()
+        for kind, rows in self._buffers.items():
+            if rows:
+                self._write(kind, rows)
+                self._buffers[kind] = []
+        self._last_flush = time.monotonic()
+
+    def commit(self) -> CommitRecord:
+        """Flush, then write the commit part that makes this attempt's rows count."""
+        self.flush()
+        record = CommitRecord(self.job_id, self.shard_id, self.attempt, self.attempt_id, self.worker_id,
+                              time.time(), parts=list(self._parts), **self._totals)
+        row = _renamed(schemas.record_row(record))
+        self.store._write_records("commits", self.job_id, self._prefix, [row])
+        self.closed = True
+        return record
+
+    def fail(self, error: str) -> None:
+        """Record the attempt as failed (its rows never count). Buffered rows are dropped."""
+        self._end("failed", error)
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Record the attempt as cancelled (its rows never count). Buffered rows are dropped."""
+        self._end("cancelled", reason)
+
+    # -- internals
+
+    def _end(self, event: str, error: str) -> None:
+        self._check_open()
+        self._buffers = {"outputs": [], "requests": []}
+        self.store.record_shard_events([self._event(event, error=error)])
+        self.closed = True
+
+    def _event(self, event: str, error: str | None = None, num_requests: int | None = None) -> ShardEvent:
+        return ShardEvent(self.job_id, self.shard_id, event, time.time(), self.attempt, self.worker_id,
+                          error, num_requests, self.attempt_id)
+
+    def _add(self, kind: str, rows: list[Mapping]) -> None:
+        self._check_open()
+        self._buffers[kind].extend(rows)
+        due = time.monotonic() - self._last_flush >= self.flush_interval_s
+        if due or len(self._buffers[kind]) >= self.max_buffered_rows:
+            self.flush()
+
+    def _write(self, kind: str, rows: list[Mapping]) -> None:
+        schema = schemas.OUTPUTS if kind == "outputs" else schemas.REQUESTS
+        table = build_table(rows, schema, kind=kind, extra=kind == "outputs", extra_schema=self.extra_schema)
+        _check_not_null(table, kind, ("request_id", "finish_reason"))
+        _check_values(table, kind, "finish_reason", FINISH_REASONS)
+        self._parts.append(self._writers[kind].write(table))
+        if kind == "outputs":
+            self._totals["num_outputs"] += table.num_rows
+            self._totals["prompt_tokens"] += _sum(table, "prompt_tokens")
+            self._totals["output_tokens"] += _sum(table, "output_tokens")
+        else:
+            self._totals["num_request_rows"] += table.num_rows
+
+    def _own_output(self, row: Mapping) -> dict:
+        row = dict(row)
+        _fill_or_match(row, "job_id", self.job_id, "outputs")
+        row[SHARD_COLUMN] = self.shard_id
+        row[ATTEMPT_ID_COLUMN] = self.attempt_id
+        if row.get("request_id") is not None:
+            row["request_id"] = str(row["request_id"])
+        return row
+
+    def _own_request(self, row: Mapping) -> dict:
+        row = dict(row)
+        for name, value in (("job_id", self.job_id), ("shard_id", self.shard_id),
+                            ("worker_id", self.worker_id), ("attempt", self.attempt)):
+            _fill_or_match(row, name, value, "requests")
+        row[ATTEMPT_ID_COLUMN] = self.attempt_id
+        if row.get("request_id") is not None:
+            row["request_id"] = str(row["request_id"])
+        return row
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StoreError(f"attempt {self.attempt_id} is already committed, failed or cancelled")
+
+
+def _check_int(name: str, value: int, lo: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise StoreError(f"{name} must be an integer >= {lo}, got {value!r}")
+
+
+def _fill_or_match(row: dict, name: str, value, kind: str) -> None:
+    given = row.get(name)
+    if given is None or given == "":
+        row[name] = value
+    elif given != value:
+        raise StoreError(f"{kind} row has {name}={given!r} but the attempt is for {name}={value!r}")
+
+
+def _check_not_null(table: pa.Table, kind: str, names: Sequence[str]) -> None:
+    for name in names:
+        col = table.column(name)
+        if col.null_count:
+            row = next(i for i, v in enumerate(col.to_pylist()) if v is None)
+            raise StoreError(f"{kind} column {name!r} is null in row {row}; it is required")
+
+
+def _check_values(table: pa.Table, kind: str, name: str, allowed: Sequence[str]) -> None:
+    for i, value in enumerate(table.column(name).to_pylist()):
+        if value not in allowed:
+            raise StoreError(f"{kind} column {name!r} row {i} is {value!r}; allowed: {list(allowed)}")
+
+
+def _sum(table: pa.Table, name: str) -> int:
+    total = pc.sum(table.column(name)).as_py()
+    return int(total or 0)
+
+
+def _renamed(row: dict) -> dict:
+    """A record dict with its `attempt_id` under the internal column name."""
+    if "attempt_id" in row:
+        row[ATTEMPT_ID_COLUMN] = row.pop("attempt_id")
+    return row
+
+
+# ---------------------------------------------------------------- engine telemetry
+
+
+class TelemetryBuffer:
+    """Iteration rows of one engine, buffered and written as `iterations` parts.
+
+    Append every step's `IterationStats` (or its `as_row()`); the buffer writes a part when
+    `flush_interval_s` has passed since the last write (checked on append), when `max_rows` rows are
+    buffered, and on `flush()` / `close()`. Iteration rows are not tied to a shard attempt (one step
+    serves many shards), so they are visible as soon as they are written.
+    """
+
+    def __init__(self, store: Store, worker_id: str, *, flush_interval_s: float = FLUSH_INTERVAL_S,
+                 max_rows: int = MAX_BUFFERED_ROWS) -> None:
+        if not worker_id:
+            raise StoreError("TelemetryBuffer needs a worker_id (it names the iterations' group)")
+        self.worker_id = worker_id
+        self.flush_interval_s, self.max_rows = flush_interval_s, max_rows
+        group = path_safe(worker_id)
+        self._writer = PartWriter(store.layout, "iterations", group, group)
+        self._rows: list[dict] = []
+        self._last_flush = time.monotonic()
+        self.rows_written = 0
+
+    def append(self, stats: IterationStats | Mapping) -> None:
+        row = stats.as_row() if isinstance(stats, IterationStats) else dict(stats)
+        if not row.get("worker_id"):
+            row["worker_id"] = self.worker_id
+        self._rows.append(row)
+        if len(self._rows) >= self.max_rows or time.monotonic() - self._last_flush >= self.flush_interval_s:
+            self.flush()
+
+    def extend(self, stats: Iterable[IterationStats | Mapping]) -> None:
+        for item in stats:
+            self.append(item)
+
+    def flush(self) -> str | None:
+        """Write the buffered rows as one part now; the part's name, or None when empty."""
+        self._last_flush = time.monotonic()
+        if not self._rows:
+            return None
+        table = build_table(self._rows, schemas.ITERATIONS, kind="iterations")
+        name = self._writer.write(table)
+        self.rows_written += table.num_rows
+        self._rows = []
+        return name
+
+    def close(self) -> None:
+        self.flush()
+
+    def __enter__(self) -> TelemetryBuffer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- the facade
+
+
+class Store:
+    """The write side of one data dir. Cheap to build; holds no open file or connection."""
+
+    def __init__(self, data_dir: str | os.PathLike) -> None:
+        self.layout = init_data_dir(data_dir)
+
+    @property
+    def data_dir(self) -> Path:
+        return self.layout.root
+
+    def begin_attempt(self, job_id: str, shard_id: int, attempt: int, worker_id: str, *,
+                      num_requests: int | None = None, extra_schema: pa.Schema | None = None,
+                      flush_interval_s: float = FLUSH_INTERVAL_S) -> ShardAttempt:
+        """Start an attempt at a shard: records the `running` event and returns its writer.
+
+        `extra_schema` (optional) fixes the Arrow types of the job's extra input columns.
+        """
+        att = ShardAttempt(self, job_id, shard_id, attempt, worker_id, extra_schema=extra_schema,
+                           flush_interval_s=flush_interval_s)
+        self.record_shard_events([att._event("running", num_requests=num_requests)])
+        return att
+
+    def telemetry_buffer(self, worker_id: str, *,
+                         flush_interval_s: float = FLUSH_INTERVAL_S) -> TelemetryBuffer:
+        return TelemetryBuffer(self, worker_id, flush_interval_s=flush_interval_s)
+
+    def record_job(self, record: JobRecord) -> None:
+        check_id("job_id", record.job_id)
+        _check_int("num_shards", record.num_shards, 0)
+        _check_int("num_requests", record.num_requests, 0)
+        self._write_records("job_records", record.job_id, record.job_id, [schemas.record_row(record)])
+
+    def request_cancel(self, job_id: str, reason: str = "", ts: float | None = None) -> None:
+        """Ask for a job to be cancelled: its shards that have not completed show as cancelled."""
+        ts = time.time() if ts is None else ts
+        event = JobEvent(check_id("job_id", job_id), "cancel_requested", ts, reason)
+        self._write_records("job_events", job_id, job_id, [schemas.record_row(event)])
+
+    def record_shard_events(self, events: Sequence[ShardEvent]) -> None:
+        """Write shard events (any number, one part per job)."""
+        by_job: dict[str, list[dict]] = {}
+        for ev in events:
+            check_id("job_id", ev.job_id)
+            if ev.event not in SHARD_EVENTS:
+                raise StoreError(f"shard event {ev.event!r} is not one of {SHARD_EVENTS}")
+            by_job.setdefault(ev.job_id, []).append(_renamed(schemas.record_row(ev)))
+        for job_id, rows in by_job.items():
+            self._write_records("shard_events", job_id, job_id, rows)
+
+    def record_sweep(self, records: SweepRecord | Sequence[SweepRecord]) -> None:
+        records = [records] if isinstance(records, SweepRecord) else list(records)
+        for sweep_id in {r.sweep_id for r in records}:
+            rows = [schemas.record_row(r) for r in records if r.sweep_id == sweep_id]
+            self._write_records("sweeps", check_id("sweep_id", sweep_id), sweep_id, rows)
+
+    def committed(self, job_id: str, shard_id: int) -> CommitRecord | None:
+        """The commit that counts for a shard (first committed; ties: smaller attempt id), or None.
+
+        Workers use it to skip a shard that is already done (tasks are idempotent).
+        """
+        commits = _read_commits(self.layout, check_id("job_id", job_id))
+        rows = [r for r in commits if r["shard_id"] == shard_id]
+        if not rows:
+            return None
+        best = min(rows, key=lambda r: (r["committed_ts"], r[ATTEMPT_ID_COLUMN]))
+        fields = {k: best[k] for k in CommitRecord.__dataclass_fields__ if k in best}
+        return CommitRecord(**fields, attempt_id=best[ATTEMPT_ID_COLUMN])
+
+    def _write_records(self, kind: str, group: str, prefix: str, rows: list[dict]) -> str:
+        if kind == "job_events":
+            _check_values(pa.table({"event": [r["event"] for r in rows]}), kind, "event", JOB_EVENTS)
+        table = build_table(rows, schemas.KIND_SCHEMAS[kind], kind=kind)
+        return PartWriter(self.layout, kind, group, prefix).write(table)
+
+
+def _read_commits(layout: Layout, job_id: str) -> list[dict]:
+    """Every commit row of a job, raw or compacted (retrying if compaction removes a file meanwhile)."""
+    pattern = str(layout.kind_dir("commits") / "*" / job_id / "*.parquet")
+    for _ in range(5):
+        try:
+            return [row for path in sorted(glob.glob(pattern)) for row in pq.read_table(path).to_pylist()]
+        except FileNotFoundError:
+            continue
+    raise StoreError(f"commits of job {job_id} keep disappearing under {layout.kind_dir('commits')}")

@@ -1,0 +1,198 @@
+"""Arrow schemas of the part kinds, and the row dataclasses the writers take.
+
+Every part file of a kind carries at least that kind's base columns, cast to these types, plus the
+internal `_bg_*` columns the views use and never show:
+
+- `_bg_part`: the name of the raw part a row was first written to. It survives compaction, so a view
+  can tell that a compacted file and a raw part hold the same rows and count them once.
+- `_bg_attempt_id`: the unique id of the shard attempt that wrote the row (outputs, requests,
+  commits, shard events), so only the committed attempt's rows are counted.
+- `_bg_shard_id`: the shard of an output row (outputs only; `requests` shows `shard_id` openly).
+
+Output rows carry every extra input column of their job after the base columns; those keep the
+Arrow type they arrive with. Names starting with `_bg_` are reserved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import pyarrow as pa
+
+from engine.stats import IterationStats, RequestStats
+
+INTERNAL_PREFIX = "_bg_"
+PART_COLUMN = "_bg_part"
+ATTEMPT_ID_COLUMN = "_bg_attempt_id"
+SHARD_COLUMN = "_bg_shard_id"
+
+STR = pa.string()
+I64 = pa.int64()
+F64 = pa.float64()
+
+# shard lifecycle events a worker (or the submitter) records
+SHARD_EVENTS = ("queued", "running", "completed", "failed", "cancelled")
+# job-level events (cancel requests)
+JOB_EVENTS = ("cancel_requested",)
+FINISH_REASONS = ("stop", "length", "error", "cancelled")
+
+
+@dataclass
+class JobRecord:
+    """What a job was submitted as: written once, at submission."""
+
+    job_id: str  # [A-Za-z0-9][A-Za-z0-9._-]* (it names directories)
+    model: str  # model name / path as the user gave it
+    num_requests: int  # rows of the input Parquet
+    num_shards: int  # shards 0 .. num_shards-1
+    submitted_ts: float  # epoch seconds
+    config: str = "{}"  # JSON: engine config, sampling defaults, input path, ...
+    output_path: str = ""  # where the job's own output Parquet goes ("" = only the views)
+
+
+@dataclass
+class ShardEvent:
+    """One step in a shard's life (queued, running, completed, failed, cancelled)."""
+
+    job_id: str
+    shard_id: int  # 0-based index < num_shards
+    event: str  # one of SHARD_EVENTS
+    ts: float  # epoch seconds
+    attempt: int = 0  # 1, 2, ... for events of an attempt; 0 for queued
+    worker_id: str = ""  # worker that ran the attempt
+    error: str | None = None  # why, for failed / cancelled
+    num_requests: int | None = None  # requests in the shard, when the writer knows it
+    attempt_id: str = ""  # unique id of the attempt ("" outside an attempt)
+
+
+@dataclass
+class JobEvent:
+    """A request made to a whole job after submission (today: cancel)."""
+
+    job_id: str
+    event: str  # one of JOB_EVENTS
+    ts: float  # epoch seconds
+    reason: str = ""  # free text from the user
+
+
+@dataclass
+class SweepRecord:
+    """One measured configuration of `batchgen sweep` (one row of the `sweeps` view)."""
+
+    sweep_id: str  # groups the rows of one sweep run
+    ts: float  # epoch seconds when this configuration finished
+    model: str
+    swept: str  # which knob the sweep varies: max_num_seqs | max_num_batched_tokens | ...
+    max_num_seqs: int  # sequence cap in force
+    max_num_batched_tokens: int  # token budget in force
+    repeat: int  # 0-based repetition of this configuration
+    num_requests: int  # requests in the workload
+    output_tokens_per_s: float  # generated tokens / wall time
+    processed_tokens_per_s: float  # (prompt + generated tokens) / wall time
+    ttft_p50_s: float
+    ttft_p99_s: float
+    itl_p50_s: float  # inter-token latency (tpot) percentiles over requests
+    itl_p99_s: float
+    e2e_p50_s: float
+    e2e_p99_s: float
+    mean_running: float  # mean running sequences per iteration
+    mean_budget_utilisation: float  # mean scheduled_tokens / token_budget per iteration
+    num_preemptions: int  # preemptions over the run
+    workload: str = "{}"  # JSON: prompt/output length distributions, arrival pattern, seed, ...
+
+
+@dataclass
+class CommitRecord:
+    """The row that makes a shard attempt count (written last, by `ShardAttempt.commit`)."""
+
+    job_id: str
+    shard_id: int
+    attempt: int
+    attempt_id: str
+    worker_id: str
+    committed_ts: float  # epoch seconds
+    num_outputs: int = 0  # output rows the attempt wrote
+    num_request_rows: int = 0  # request timing rows the attempt wrote
+    prompt_tokens: int = 0  # sums over the attempt's output rows
+    output_tokens: int = 0
+    parts: list[str] = field(default_factory=list)  # names of the attempt's data parts
+
+
+def _schema(*cols: tuple[str, pa.DataType]) -> pa.Schema:
+    return pa.schema([pa.field(name, typ) for name, typ in cols])
+
+
+OUTPUTS = _schema(
+    ("job_id", STR), ("request_id", STR), ("output_text", STR), ("finish_reason", STR),
+    ("prompt_tokens", I64), ("output_tokens", I64), ("error", STR),
+    (SHARD_COLUMN, I64), (ATTEMPT_ID_COLUMN, STR), (PART_COLUMN, STR),
+)
+
+_REQUEST_TIMING = [(name, F64) for name in (
+    "arrival_ts", "scheduled_ts", "first_token_ts", "finished_ts", "queue_s", "ttft_s", "e2e_s", "tpot_s",
+)]
+REQUESTS = _schema(
+    ("job_id", STR), ("shard_id", I64), ("request_id", STR), ("worker_id", STR), ("attempt", I64),
+    ("prompt_tokens", I64), ("output_tokens", I64), ("finish_reason", STR), *_REQUEST_TIMING,
+    ("num_preemptions", I64), (ATTEMPT_ID_COLUMN, STR), (PART_COLUMN, STR),
+)
+
+
+def _iteration_columns() -> list[tuple[str, pa.DataType]]:
+    cols = []
+    for name, value in IterationStats().as_row().items():
+        typ = {str: STR, int: I64, float: F64, list: pa.list_(STR)}[type(value)]
+        cols.append((name, typ))
+    return cols
+
+
+ITERATIONS = _schema(*_iteration_columns(), (PART_COLUMN, STR))
+
+COMMITS = _schema(
+    ("job_id", STR), ("shard_id", I64), ("attempt", I64), (ATTEMPT_ID_COLUMN, STR), ("worker_id", STR),
+    ("committed_ts", F64), ("num_outputs", I64), ("num_request_rows", I64), ("prompt_tokens", I64),
+    ("output_tokens", I64), ("parts", pa.list_(STR)), (PART_COLUMN, STR),
+)
+
+SHARD_EVENTS_SCHEMA = _schema(
+    ("job_id", STR), ("shard_id", I64), ("event", STR), ("ts", F64), ("attempt", I64), ("worker_id", STR),
+    ("error", STR), ("num_requests", I64), (ATTEMPT_ID_COLUMN, STR), (PART_COLUMN, STR),
+)
+
+JOB_RECORDS = _schema(
+    ("job_id", STR), ("model", STR), ("num_requests", I64), ("num_shards", I64), ("submitted_ts", F64),
+    ("config", STR), ("output_path", STR), (PART_COLUMN, STR),
+)
+
+JOB_EVENTS_SCHEMA = _schema(("job_id", STR), ("event", STR), ("ts", F64), ("reason", STR), (PART_COLUMN, STR))
+
+
+def _sweep_columns() -> list[tuple[str, pa.DataType]]:
+    types = {"str": STR, "int": I64, "float": F64}
+    return [(name, types[typ]) for name, typ in SweepRecord.__annotations__.items()]
+
+
+SWEEPS = _schema(*_sweep_columns(), (PART_COLUMN, STR))
+
+# kind -> base schema; the order is the order the views are created in
+KIND_SCHEMAS: dict[str, pa.Schema] = {
+    "job_records": JOB_RECORDS,
+    "job_events": JOB_EVENTS_SCHEMA,
+    "shard_events": SHARD_EVENTS_SCHEMA,
+    "commits": COMMITS,
+    "outputs": OUTPUTS,
+    "requests": REQUESTS,
+    "iterations": ITERATIONS,
+    "sweeps": SWEEPS,
+}
+KINDS = tuple(KIND_SCHEMAS)
+# kinds whose parts belong to one job (grouped by job_id on disk, compacted per finished job)
+JOB_KINDS = ("job_records", "job_events", "shard_events", "commits", "outputs", "requests")
+
+# the columns a request timing row must have (RequestStats.as_row() gives all of them)
+REQUEST_STATS_COLUMNS = tuple(RequestStats().as_row())
+
+
+def record_row(record: object) -> dict:
+    """A dataclass record as a row dict (the part writers take rows)."""
+    return asdict(record)  # type: ignore[arg-type]
