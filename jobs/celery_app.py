@@ -1,0 +1,95 @@
+"""The Celery app and its one task: run a shard. The task is a thin wrapper over `jobs.shard_runner`.
+
+Delivery guarantees (DESIGN.md "Queue and workers"): late acks (a message is acknowledged when its
+shard is committed, failed for good, or handed to a retry), rejected when the worker is lost, one
+message prefetched per worker thread, retries with exponential backoff up to the job's
+`max_retries`. Idempotence lives in the shard runner: a committed shard is never generated again.
+
+Publishing (`publish_shard`) goes through `send_task` by name, so `submit`, `status` and `retry`
+never import the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+import jobs.embedded_broker  # noqa: F401 - registers the embedded transport with kombu
+from jobs.broker import BrokerSettings
+
+log = logging.getLogger(__name__)
+
+TASK_NAME = "batchgen.run_shard"
+
+
+def celery_config(settings: BrokerSettings) -> dict:
+    """Celery settings for one broker and queue."""
+    timeout = settings.shard_timeout_s
+    transport_options: dict = {"visibility_timeout": timeout}
+    consumer_arguments = {}
+    if settings.kind == "amqp":
+        transport_options = {}
+        consumer_arguments = {"x-consumer-timeout": int(timeout * 1000)}
+    elif settings.kind == "embedded":
+        transport_options["polling_interval"] = 0.1
+    queue = Queue(settings.queue, Exchange(settings.queue, type="direct"), routing_key=settings.queue,
+                  consumer_arguments=consumer_arguments or None)
+    return {
+        "broker_url": settings.url,
+        "broker_transport_options": transport_options,
+        "broker_connection_retry_on_startup": True,
+        "task_queues": [queue],
+        "task_default_queue": settings.queue,
+        "task_default_exchange": settings.queue,
+        "task_default_routing_key": settings.queue,
+        "task_create_missing_queues": False,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_acks_on_failure_or_timeout": True,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "result_backend": None,
+        "worker_prefetch_multiplier": 1,
+        "worker_enable_remote_control": False,  # the embedded transport has no fanout
+        "worker_send_task_events": False,
+        "task_send_sent_event": False,
+        "worker_hijack_root_logger": False,
+        "worker_redirect_stdouts": False,
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+    }
+
+
+@functools.lru_cache(maxsize=16)
+def make_app(settings: BrokerSettings) -> Celery:
+    """A Celery app for one broker and queue, with the shard task registered (cached per settings)."""
+    app = Celery("batchgen", set_as_current=False)
+    app.conf.update(celery_config(settings))
+    app.task(bind=True, name=TASK_NAME, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+             max_retries=None)(run_shard)
+    return app
+
+
+def publish_shard(settings: BrokerSettings, job_id: str, shard_id: int, shard_path: str, data_dir: str,
+                  *, countdown: float | None = None, retries: int = 0) -> None:
+    """Send one shard task: ids and absolute paths only, never prompts. `retries` carries over the
+    retries a shard already used (a re-queued shard keeps its retry budget)."""
+    kwargs = {"job_id": job_id, "shard_id": shard_id, "shard_path": shard_path, "data_dir": data_dir}
+    make_app(settings).send_task(TASK_NAME, kwargs=kwargs, queue=settings.queue, routing_key=settings.queue,
+                                 countdown=countdown, retries=retries)
+
+
+def run_shard(self, job_id: str, shard_id: int, shard_path: str, data_dir: str) -> dict:
+    """Run one shard in this worker's engine; retry it with backoff when it fails."""
+    from jobs.runtime import current_runtime
+    from jobs.shard_runner import ShardTask, process_shard
+
+    task = ShardTask(job_id, shard_id, shard_path, data_dir, retries=self.request.retries)
+    outcome = process_shard(task, current_runtime())
+    log.info("shard %s/%d: %s", job_id, shard_id, outcome.describe())
+    if outcome.retry_in_s is not None:
+        raise self.retry(countdown=outcome.retry_in_s)
+    return outcome.as_dict()

@@ -1,0 +1,359 @@
+"""The job commands of `batchgen`: run, submit, worker, status, cancel, retry (DESIGN.md "CLI").
+
+Exit codes: 0 done; 1 the job (or a worker) failed; 2 bad usage or bad input (click's usage error),
+with a message naming the flag, file, column or row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from jobs.broker import (
+    BROKER_ENV,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_QUEUE,
+    DEFAULT_SHARD_SIZE,
+    EMBEDDED,
+    QUEUE_ENV,
+    BrokerSettings,
+    resolve_broker,
+)
+from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
+
+# ---------------------------------------------------------------- shared options
+
+_ENGINE_OPTIONS = [
+    click.option("--model", default="smollm2-135m", show_default=True,
+                 help="Registry name, Hugging Face directory, GGUF file or Hub id."),
+    click.option("--max-num-seqs", type=int, help="Sequence cap per iteration (default 64)."),
+    click.option("--max-num-batched-tokens", type=int, help="Token budget per iteration (default 2048)."),
+    click.option("--max-model-len", type=int, help="Prompt + output tokens per sequence."),
+    click.option("--block-size", type=int, help="Tokens per KV block (default 16)."),
+    click.option("--num-kv-blocks", type=int, help="KV blocks (default: from the KV memory budget)."),
+    click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
+                 help="Split long prompts across iterations (default on)."),
+    click.option("--enable-prefix-caching", is_flag=True, default=None, help="Reuse shared prefixes' KV."),
+    click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), help="Default fcfs."),
+    click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), help="Default float32."),
+    click.option("--device", help="cpu, cuda or cuda:N (default cpu)."),
+]
+ENGINE_FIELDS = ("model", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                 "num_kv_blocks", "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
+                 "dtype", "device")
+
+_SAMPLING_OPTIONS = [
+    click.option("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True,
+                 help="Job default: new tokens per row at most."),
+    click.option("--temperature", type=float, help="Job default (0 = greedy; default 1.0)."),
+    click.option("--top-p", type=float, help="Job default (default 1.0)."),
+    click.option("--top-k", type=int, help="Job default (0 = off)."),
+    click.option("--seed", type=int, help="Job default per-row seed."),
+    click.option("--stop", multiple=True, help="Job default stop string (repeatable)."),
+    click.option("--ignore-eos", is_flag=True, default=None, help="Job default: generate past EOS."),
+]
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+
+_JOB_OPTIONS = [
+    click.option("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, show_default=True,
+                 help="Rows per shard (one task each)."),
+    click.option("--max-retries", type=int, default=3, show_default=True,
+                 help="Retries of a failing shard before it fails for good."),
+    click.option("--retry-backoff", type=float, default=5.0, show_default=True,
+                 help="Seconds before the first retry (doubles each retry)."),
+    click.option("--job-id", help="Job id (default job-<utc time>-<random>)."),
+]
+
+_DATA_DIR_OPTION = click.option(
+    "--data-dir", envvar=DATA_DIR_ENV, default=DEFAULT_DATA_DIR, show_default=True,
+    type=click.Path(file_okay=False), help=f"Data dir (or ${DATA_DIR_ENV}).")
+_BROKER_OPTION = click.option(
+    "--broker", "broker_url", envvar=BROKER_ENV,
+    help=f"redis://... or amqp://... (or ${BROKER_ENV}); unset or 'embedded': the embedded broker "
+         "under the data dir.")
+
+
+def _apply(options):
+    def decorate(f):
+        for option in reversed(options):
+            f = option(f)
+        return f
+    return decorate
+
+
+engine_options = _apply(_ENGINE_OPTIONS)
+sampling_options = _apply(_SAMPLING_OPTIONS)
+job_options = _apply(_JOB_OPTIONS)
+
+
+def engine_config(opts: dict):
+    """An EngineConfig from the engine flags given; a bad value is a usage error naming the flag."""
+    from engine.config import EngineConfig
+
+    given = {k: opts[k] for k in ENGINE_FIELDS if opts.get(k) is not None}
+    try:
+        return EngineConfig(**given)
+    except ValueError as exc:
+        raise click.UsageError(f"engine flags: {exc}") from None
+
+
+def engine_flags(config) -> list[str]:
+    """The `batchgen worker` flags that rebuild `config` (for worker subprocesses)."""
+    args = []
+    for name in ENGINE_FIELDS:
+        value = getattr(config, name)
+        flag = "--" + name.replace("_", "-")
+        if name == "enable_chunked_prefill":
+            args.append(flag if value else "--no-enable-chunked-prefill")
+        elif name == "enable_prefix_caching":
+            args += [flag] if value else []
+        elif value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+def sampling_from(opts: dict) -> dict:
+    given = {k: opts.get(k) for k in SAMPLING_FIELDS}
+    given["stop"] = list(given["stop"]) or None
+    return given
+
+
+def _job_request(prompts: str, data_dir: str, config, opts: dict, output: str | None):
+    from dataclasses import asdict
+
+    from jobs.submit import JobRequest
+
+    return JobRequest(source=prompts, data_dir=data_dir, engine=asdict(config), sampling=sampling_from(opts),
+                      shard_size=opts["shard_size"], max_retries=opts["max_retries"],
+                      retry_backoff_s=opts["retry_backoff"], job_id=opts.get("job_id"),
+                      output_path=str(Path(output).expanduser().resolve()) if output else "")
+
+
+def _prepare(request, broker: BrokerSettings):
+    from jobs.spec import InputError
+    from jobs.submit import prepare_job
+
+    try:
+        return prepare_job(request, broker)
+    except InputError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _broker(data_dir: str, queue: str | None, url: str | None = None, embedded: bool = False,
+            timeout_s: float | None = None) -> BrokerSettings:
+    try:
+        return resolve_broker(data_dir, queue=queue, url=url, embedded=embedded, timeout_s=timeout_s)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def check_broker(settings: BrokerSettings) -> None:
+    """Fail early (exit 1) when a server broker cannot be reached."""
+    if settings.kind == EMBEDDED:
+        return
+    from kombu import Connection
+
+    try:
+        with Connection(settings.url, connect_timeout=5) as conn:
+            conn.ensure_connection(max_retries=1, timeout=5)
+    except Exception as exc:  # noqa: BLE001 - any failure to connect is reported the same way
+        raise click.ClickException(f"cannot reach the broker {settings.display_url}: {exc}") from None
+
+
+def _manifest(data_dir: str, job_id: str):
+    from jobs.manifest import load_manifest
+    from jobs.store.layout import StoreError
+
+    try:
+        return load_manifest(data_dir, job_id)
+    except (FileNotFoundError, StoreError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def broker_for_job(manifest, data_dir: str) -> BrokerSettings:
+    """The broker a job was submitted to; a server broker must be the one $BATCHGEN_BROKER_URL names."""
+    if manifest.broker == EMBEDDED:
+        return _broker(data_dir, manifest.queue, embedded=True, timeout_s=manifest.shard_timeout_s or None)
+    settings = _broker(data_dir, manifest.queue, timeout_s=manifest.shard_timeout_s or None)
+    if settings.display_url != manifest.broker:
+        raise click.UsageError(f"job {manifest.job_id} was submitted to {manifest.broker}; set {BROKER_ENV} "
+                               f"to that broker (now: {settings.display_url})")
+    return settings
+
+
+# ---------------------------------------------------------------- submit
+
+
+@click.command()
+@click.argument("prompts")
+@engine_options
+@sampling_options
+@job_options
+@_DATA_DIR_OPTION
+@_BROKER_OPTION
+@click.option("--queue", envvar=QUEUE_ENV, default=DEFAULT_QUEUE, show_default=True, help="Queue to use.")
+def submit(prompts: str, data_dir: str, broker_url: str | None, queue: str, **opts) -> None:
+    """Validate PROMPTS (a Parquet file, directory or glob), shard it and queue it for workers."""
+    from jobs.submit import publish_job
+
+    config = engine_config(opts)
+    settings = _broker(data_dir, queue, url=broker_url)
+    check_broker(settings)
+    manifest = _prepare(_job_request(prompts, data_dir, config, opts, None), settings)
+    publish_job(manifest, settings)
+    click.echo(f"job {manifest.job_id}: {manifest.num_requests} rows in {len(manifest.shards)} shard(s) "
+               f"queued on {settings.display_url} queue {settings.queue!r}")
+    click.echo(manifest.job_id)
+
+
+# ---------------------------------------------------------------- worker
+
+
+@click.command()
+@engine_options
+@_DATA_DIR_OPTION
+@_BROKER_OPTION
+@click.option("--queue", envvar=QUEUE_ENV, default=DEFAULT_QUEUE, show_default=True, help="Queue to consume.")
+@click.option("--concurrency", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="Shards held in the engine at once (>= 2 keeps it busy across shard boundaries).")
+@click.option("--worker-id", "-n", help="Worker name (default batchgen-<pid>@<host>).")
+@click.option("--shard-timeout", type=float, help="Seconds a shard may hold its message (broker visibility / "
+              "consumer timeout; default from the default shard size).")
+@click.option("--loglevel", default="INFO", show_default=True)
+def worker(data_dir: str, broker_url: str | None, queue: str, concurrency: int, worker_id: str | None,
+           shard_timeout: float | None, loglevel: str, **opts) -> None:
+    """Serve shard tasks from the queue with one long-lived engine."""
+    from jobs.worker_main import run_worker
+
+    config = engine_config(opts)
+    settings = _broker(data_dir, queue, url=broker_url, timeout_s=shard_timeout)
+    check_broker(settings)
+    worker_id = worker_id or f"batchgen-{os.getpid()}@{socket.gethostname()}"
+    logging.basicConfig(level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sys.exit(run_worker(config, settings, str(Path(data_dir).expanduser().resolve()), worker_id,
+                        concurrency, loglevel))
+
+
+# ---------------------------------------------------------------- run
+
+
+@click.command()
+@click.argument("prompts")
+@engine_options
+@sampling_options
+@job_options
+@_DATA_DIR_OPTION
+@click.option("--output", type=click.Path(dir_okay=False), help="Write the job's output Parquet here.")
+@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Worker processes (each loads the model).")
+@click.option("--concurrency", type=click.IntRange(1, 64),
+              help="Shards held in each engine at once (default: enough to fill --max-num-seqs, >= 2).")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def run(prompts: str, data_dir: str, output: str | None, workers: int, concurrency: int | None,
+        progress: bool, **opts) -> None:
+    """Run the whole job on this machine: embedded broker, local workers, progress bar, summary."""
+    from jobs.local_run import LocalRun, RunError
+    from jobs.manifest import new_job_id
+
+    config = engine_config(opts)
+    data_dir = str(Path(data_dir).expanduser().resolve())
+    opts["job_id"] = opts.get("job_id") or new_job_id(time.time())
+    request = _job_request(prompts, data_dir, config, opts, output)
+    # a queue of its own: no other worker on the embedded broker takes this job's shards
+    broker = _broker(data_dir, f"run.{opts['job_id']}", embedded=True)
+    manifest = _prepare(request, broker)
+    concurrency = concurrency or max(2, math.ceil(config.max_num_seqs / manifest.shard_size) + 1)
+    local = LocalRun(manifest, broker, config, workers=workers, concurrency=concurrency,
+                     show_progress=progress)
+    try:
+        code = local.run()
+    except RunError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)
+
+
+# ---------------------------------------------------------------- status / cancel / retry
+
+
+@click.command()
+@click.argument("job_id", required=False)
+@_DATA_DIR_OPTION
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@click.option("--requeue/--no-requeue", default=True, show_default=True,
+              help="Re-queue shards whose worker died (jobs on the broker in force).")
+def status(job_id: str | None, data_dir: str, fmt: str, requeue: bool) -> None:
+    """Progress of every job, or of one job and its shards (like OpenAI Batch's request_counts)."""
+    from jobs.status import job_status, jobs_status, render_job, render_jobs
+
+    data_dir = str(Path(data_dir).expanduser().resolve())
+    if not Path(data_dir).is_dir():
+        raise click.UsageError(f"data dir {data_dir} does not exist (set --data-dir or ${DATA_DIR_ENV})")
+    if requeue:
+        _requeue(data_dir, job_id)
+    if job_id is None:
+        rows = jobs_status(data_dir)
+        click.echo(json.dumps(rows, indent=1, default=str) if fmt == "json" else render_jobs(rows))
+        return
+    manifest = _manifest(data_dir, job_id)
+    info = job_status(manifest)
+    click.echo(json.dumps(info, indent=1, default=str) if fmt == "json" else render_job(info))
+
+
+def _requeue(data_dir: str, job_id: str | None) -> None:
+    from jobs.supervise import requeue_dead_shards
+
+    settings = _broker(data_dir, None)
+    try:
+        done = requeue_dead_shards(data_dir, settings)
+        if settings.kind != EMBEDDED:
+            done += requeue_dead_shards(data_dir, _broker(data_dir, None, embedded=True))
+    except Exception as exc:  # noqa: BLE001 - status still reports when a broker is down
+        click.echo(f"warning: could not re-queue dead shards: {exc}", err=True)
+        return
+    for job, shard in done:
+        click.echo(f"re-queued job {job} shard {shard} (its worker died)", err=True)
+
+
+@click.command()
+@click.argument("job_id")
+@_DATA_DIR_OPTION
+@click.option("--reason", default="cancelled by user", show_default=True)
+def cancel(job_id: str, data_dir: str, reason: str) -> None:
+    """Cancel a job: queued shards are skipped, running ones stop; finished rows stay."""
+    from jobs.manifest import JobPaths
+    from jobs.store.parts import Store
+
+    manifest = _manifest(data_dir, job_id)
+    paths = JobPaths.of(manifest.data_dir, job_id)
+    paths.cancel_marker.write_text(reason + "\n")
+    Store(manifest.data_dir).request_cancel(job_id, reason)
+    click.echo(f"job {job_id}: cancel requested; running shards stop within seconds, "
+               "queued shards are skipped")
+
+
+@click.command()
+@click.argument("job_id")
+@_DATA_DIR_OPTION
+def retry(job_id: str, data_dir: str) -> None:
+    """Queue the failed shards of a job again (completed shards are not redone)."""
+    from jobs.status import retry_failed_shards
+
+    manifest = _manifest(data_dir, job_id)
+    settings = broker_for_job(manifest, data_dir)
+    check_broker(settings)
+    try:
+        shards = retry_failed_shards(manifest, settings)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if not shards:
+        click.echo(f"job {job_id}: no failed shards to retry")
+        return
+    click.echo(f"job {job_id}: re-queued failed shard(s) {', '.join(map(str, shards))}")

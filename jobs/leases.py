@@ -1,0 +1,235 @@
+"""Shard attempts as files: who runs a shard now, is it alive, and which attempt number is next.
+
+A broker redelivers a message when it believes the consumer is gone (RabbitMQ at once, Redis after
+its visibility timeout, the embedded broker after its own); a queue never tells us when a worker
+died holding a shard. So the jobs layer tracks attempts itself, in DATA_DIR/jobs/<job>/leases/:
+
+    shard-000003.a002.claim      created with O_EXCL: whoever creates it owns attempt 2
+    shard-000003.a002.json       its state (running/committed/failed/...), heartbeat, progress
+    shard-000003.a002.requeued   created with O_EXCL by the one checker that re-queued a dead attempt
+
+Rules:
+- The next attempt of a shard is 1 + the highest claimed number; only the process whose O_EXCL
+  create succeeds runs it, so two deliveries of one shard never run at once.
+- A running attempt is alive while its heartbeat is fresh (`ttl_s`) and, on the claimant's own
+  host, its process exists. A second delivery that finds a live attempt is dropped: that attempt
+  finishes the shard, or dies and is re-queued by `requeue_dead_shards` (jobs.supervise).
+- A claimant checks before committing that no newer claim exists (it was presumed dead): if one
+  does, it steps aside. The store's "first commit wins" covers the remaining race.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from jobs.store.layout import new_uid
+
+LEASE_TTL_ENV = "BATCHGEN_LEASE_TTL_S"
+DEFAULT_LEASE_TTL_S = 30.0  # a heartbeat older than this means the attempt's worker is gone
+HEARTBEAT_FRACTION = 0.2  # heartbeats are written every ttl * this
+ENDED = ("committed", "failed", "retrying", "cancelled", "superseded", "skipped")
+
+_CLAIM_RE = re.compile(r"^shard-(\d{6})\.a(\d{3,})\.claim$")
+
+
+def lease_ttl_s() -> float:
+    """The lease time-to-live in force ($BATCHGEN_LEASE_TTL_S, else 30 s)."""
+    raw = os.environ.get(LEASE_TTL_ENV)
+    if not raw:
+        return DEFAULT_LEASE_TTL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{LEASE_TTL_ENV} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{LEASE_TTL_ENV} must be > 0, got {raw!r}")
+    return value
+
+
+@dataclass
+class LeaseState:
+    """The state file of one attempt, rewritten on every heartbeat."""
+
+    worker_id: str  # the Celery worker name of the claimant
+    host: str  # hostname of the claimant (pid liveness is checked only there)
+    pid: int  # process id of the claimant
+    attempt: int  # 1, 2, ...
+    state: str  # running, or one of ENDED
+    started_ts: float  # epoch seconds of the claim
+    heartbeat_ts: float  # epoch seconds of the latest heartbeat
+    rows_done: int = 0  # rows of the shard finished so far (progress)
+    output_tokens: int = 0  # tokens generated so far by finished rows (progress)
+    note: str = ""  # why it ended (error text, "job cancelled", ...)
+    retry_at: float = 0.0  # state "retrying": when the retry message becomes due (epoch seconds)
+
+    def alive(self, now: float, ttl_s: float) -> bool:
+        """Running, with a fresh heartbeat and (on this host) a live process."""
+        if self.state != "running":
+            return False
+        if now - self.heartbeat_ts > ttl_s:
+            return False
+        return not (self.host == socket.gethostname() and not _pid_exists(self.pid))
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class AttemptView:
+    """What a reader sees of one attempt: its claim, and its state when one was written yet."""
+
+    shard_id: int
+    attempt: int
+    claimed_ts: float  # mtime of the claim file
+    state: LeaseState | None  # None between the claim and the first state write
+    requeued: bool  # a checker already re-queued this attempt
+
+    def alive(self, now: float, ttl_s: float) -> bool:
+        if self.state is None:
+            return now - self.claimed_ts <= ttl_s
+        return self.state.alive(now, ttl_s)
+
+    def dead(self, now: float, ttl_s: float) -> bool:
+        """Its worker is gone without ending it (or its retry is overdue): the shard needs re-queueing."""
+        if self.state is None:
+            return now - self.claimed_ts > ttl_s
+        if self.state.state == "retrying":
+            return now > self.state.retry_at + ttl_s
+        return self.state.state == "running" and not self.state.alive(now, ttl_s)
+
+
+class ShardLeases:
+    """The lease files of one job."""
+
+    def __init__(self, directory: Path, ttl_s: float | None = None) -> None:
+        self.directory = directory
+        self.ttl_s = lease_ttl_s() if ttl_s is None else ttl_s
+
+    # -- names
+    def _claim(self, shard_id: int, attempt: int) -> Path:
+        return self.directory / f"shard-{shard_id:06d}.a{attempt:03d}.claim"
+
+    def _state(self, shard_id: int, attempt: int) -> Path:
+        return self.directory / f"shard-{shard_id:06d}.a{attempt:03d}.json"
+
+    def _requeued(self, shard_id: int, attempt: int) -> Path:
+        return self.directory / f"shard-{shard_id:06d}.a{attempt:03d}.requeued"
+
+    # -- reading
+    def claimed_attempts(self) -> dict[int, list[int]]:
+        """shard id -> its claimed attempt numbers, ascending."""
+        found: dict[int, list[int]] = {}
+        if not self.directory.is_dir():
+            return found
+        for entry in os.scandir(self.directory):
+            m = _CLAIM_RE.match(entry.name)
+            if m:
+                found.setdefault(int(m.group(1)), []).append(int(m.group(2)))
+        return {s: sorted(a) for s, a in found.items()}
+
+    def latest(self, shard_id: int, attempts: list[int] | None = None) -> AttemptView | None:
+        """The newest attempt of a shard, or None when it was never claimed."""
+        if attempts is None:
+            attempts = self.claimed_attempts().get(shard_id, [])
+        if not attempts:
+            return None
+        return self.view(shard_id, attempts[-1])
+
+    def view(self, shard_id: int, attempt: int) -> AttemptView:
+        try:
+            claimed = self._claim(shard_id, attempt).stat().st_mtime
+        except FileNotFoundError:
+            claimed = 0.0
+        return AttemptView(shard_id, attempt, claimed, self._read_state(shard_id, attempt),
+                           self._requeued(shard_id, attempt).exists())
+
+    def _read_state(self, shard_id: int, attempt: int) -> LeaseState | None:
+        try:
+            return LeaseState(**json.loads(self._state(shard_id, attempt).read_text()))
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError):
+            return None  # written atomically, so only a foreign file can be unparsable
+
+    # -- claiming
+    def try_claim(self, shard_id: int, worker_id: str) -> Lease | None:
+        """Claim the next attempt of a shard, or None when a live attempt holds it."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        now = time.time()
+        attempts = self.claimed_attempts().get(shard_id, [])
+        latest = self.latest(shard_id, attempts)
+        if latest is not None and latest.alive(now, self.ttl_s):
+            return None
+        attempt = attempts[-1] + 1 if attempts else 1
+        try:
+            fd = os.open(self._claim(shard_id, attempt), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return None  # another delivery claimed it a moment ago
+        os.close(fd)
+        lease = Lease(self, shard_id, LeaseState(worker_id, socket.gethostname(), os.getpid(), attempt,
+                                                 "running", now, now))
+        lease.write()
+        return lease
+
+    def mark_requeued(self, shard_id: int, attempt: int) -> bool:
+        """True for exactly one caller per dead attempt: that caller re-queues the shard."""
+        try:
+            fd = os.open(self._requeued(shard_id, attempt), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        os.close(fd)
+        return True
+
+
+class Lease:
+    """The claim on one attempt of one shard, held by this process."""
+
+    def __init__(self, leases: ShardLeases, shard_id: int, state: LeaseState) -> None:
+        self.leases = leases
+        self.shard_id = shard_id
+        self.state = state
+
+    @property
+    def attempt(self) -> int:
+        return self.state.attempt
+
+    def write(self) -> None:
+        path = self.leases._state(self.shard_id, self.attempt)
+        tmp = path.with_name(f".{path.name}.{new_uid()}.tmp")
+        tmp.write_text(json.dumps(asdict(self.state)))
+        os.replace(tmp, path)
+
+    def heartbeat(self, rows_done: int | None = None, output_tokens: int | None = None) -> None:
+        if self.state.state != "running":
+            return
+        self.state.heartbeat_ts = time.time()
+        if rows_done is not None:
+            self.state.rows_done = rows_done
+        if output_tokens is not None:
+            self.state.output_tokens = output_tokens
+        self.write()
+
+    def superseded(self) -> bool:
+        """A newer attempt was claimed: this one was presumed dead and must not commit."""
+        attempts = self.leases.claimed_attempts().get(self.shard_id, [])
+        return bool(attempts) and attempts[-1] > self.attempt
+
+    def end(self, state: str, note: str = "", retry_at: float = 0.0) -> None:
+        if state not in ENDED:
+            raise ValueError(f"lease end state must be one of {ENDED}, got {state!r}")
+        self.state.state, self.state.note, self.state.retry_at = state, note, retry_at
+        self.state.heartbeat_ts = time.time()
+        self.write()

@@ -1,0 +1,306 @@
+"""The worker runtime: one long-lived engine per worker process, fed by every shard it holds.
+
+Celery runs shard tasks on a thread pool (`--pool threads`, concurrency >= 2, one message
+prefetched per thread). Each task thread hands its shard's requests to the `EngineLoop`, the one
+thread that owns the `LLMEngine`, and waits. The loop admits new requests between iterations, so
+while one shard's last requests drain, the next shard's requests are already waiting in the engine
+and fill the running set: no static-batching tail at shard boundaries.
+
+Beside the loop, a housekeeping thread keeps each held shard's lease alive (heartbeat with
+progress), aborts the requests of a job whose cancel marker appears, and periodically re-queues the
+shards of dead workers (`jobs.supervise.requeue_dead_shards`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import IterationStats
+from jobs.leases import HEARTBEAT_FRACTION, Lease, lease_ttl_s
+from jobs.manifest import JobManifest
+from jobs.store.parts import Store
+
+log = logging.getLogger(__name__)
+
+IDLE_WAKE_S = 0.5  # an idle engine loop wakes this often (telemetry flush, stop checks)
+
+
+@dataclass
+class EngineRequest:
+    """One row of a shard as the engine sees it."""
+
+    request_id: str  # unique in the engine: "<job>:<shard>:<attempt>:<row in shard>"
+    prompt: str | None  # text prompt, or None when messages are given
+    messages: list[dict] | None  # chat messages (the model's chat template applies)
+    params: SamplingParams
+
+
+@dataclass
+class ShardRun:
+    """One shard attempt inside the engine: its requests, their outputs as they finish."""
+
+    job_id: str
+    key: str  # "<job>:<shard>:<attempt>"
+    requests: list[EngineRequest]
+    outputs: dict[str, RequestOutput] = field(default_factory=dict)  # request id -> finished output
+    output_tokens: int = 0  # tokens of the finished outputs
+    cancelled: bool = False  # its job was cancelled; unfinished rows came back "cancelled"
+    error: str | None = None  # set when the engine failed under it (the attempt is retried)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def rows_done(self) -> int:
+        return len(self.outputs)
+
+    def finish(self, out: RequestOutput) -> None:
+        self.outputs[out.request_id] = out
+        self.output_tokens += len(out.token_ids)
+        if len(self.outputs) == len(self.requests):
+            self.done.set()
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        self.done.set()
+
+
+class EngineLoop:
+    """The thread that owns the engine: admits shards, steps, routes finished outputs back."""
+
+    def __init__(self, make_engine: Callable[[], object], on_idle: Callable[[], None] = lambda: None) -> None:
+        self._make_engine = make_engine
+        self.engine = make_engine()
+        self._on_idle = on_idle
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._owner: dict[str, ShardRun] = {}  # engine request id -> its shard run
+        self._runs: dict[str, ShardRun] = {}  # key -> shard runs in the engine
+        self._stopping = False
+        self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def submit(self, run: ShardRun) -> None:
+        """Queue a shard's requests for admission (thread-safe); `run.done` is set when all finished."""
+        if not run.requests:
+            run.done.set()
+            return
+        self._inbox.put(("submit", run))
+
+    def abort_job(self, job_id: str) -> None:
+        """Cancel the job's requests in the engine (thread-safe); they finish as "cancelled"."""
+        self._inbox.put(("abort", job_id))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after failing whatever is still in the engine (warm shutdown has drained it first)."""
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the loop
+    def _main(self) -> None:
+        while True:
+            self._drain_inbox(block=not self.engine.has_unfinished_requests())
+            if self._stopping:
+                self._fail_all("worker stopped before the shard finished")
+                self._on_idle()
+                return
+            if self.engine.has_unfinished_requests():
+                self._step()
+            else:
+                self._on_idle()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=IDLE_WAKE_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, what: str, arg) -> None:
+        if what == "submit":
+            self._admit(arg)
+        elif what == "abort":
+            self._abort(arg)
+        elif what == "stop":
+            self._stopping = True
+
+    def _admit(self, run: ShardRun) -> None:
+        self._runs[run.key] = run
+        try:
+            for req in run.requests:
+                self.engine.add_request(req.request_id, req.prompt, req.params, messages=req.messages,
+                                        job_id=run.job_id)
+                self._owner[req.request_id] = run
+        except Exception as exc:  # noqa: BLE001 - a request the engine refuses fails its shard attempt
+            self._drop(run, f"engine refused a request: {exc!r}")
+
+    def _abort(self, job_id: str) -> None:
+        ids = [rid for rid, run in self._owner.items() if run.job_id == job_id]
+        for run in self._runs.values():
+            if run.job_id == job_id:
+                run.cancelled = True
+        self.engine.abort_request(ids)
+
+    def _step(self) -> None:
+        try:
+            finished = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - the engine's state is unknown: fail its shards, rebuild it
+            log.exception("engine step failed; failing %d shard attempt(s) and rebuilding the engine",
+                          len(self._runs))
+            self._fail_all(f"engine step failed: {exc!r}")
+            self.engine = self._make_engine()
+            return
+        for out in finished:
+            run = self._owner.pop(out.request_id, None)
+            if run is None:
+                continue  # a request of a run already dropped
+            run.finish(out)
+            if run.done.is_set():
+                self._runs.pop(run.key, None)
+
+    def _drop(self, run: ShardRun, error: str) -> None:
+        ids = [rid for rid, owner in self._owner.items() if owner is run]
+        for rid in ids:
+            del self._owner[rid]
+        self.engine.abort_request(ids)
+        self._runs.pop(run.key, None)
+        run.fail(error)
+
+    def _fail_all(self, error: str) -> None:
+        for run in list(self._runs.values()):
+            self._drop(run, error)
+
+
+@dataclass
+class _Held:
+    """A shard attempt this worker runs now."""
+
+    run: ShardRun
+    lease: Lease
+    cancel_marker: Path  # the job's cancel marker file
+    cancel_sent: bool = False
+
+
+class WorkerRuntime:
+    """One engine, its loop, its telemetry, and the housekeeping of the shards it holds."""
+
+    def __init__(self, config: EngineConfig, worker_id: str, data_dir: str | Path, *,
+                 janitor: Callable[[], None] | None = None, janitor_interval_s: float | None = None) -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.store = Store(data_dir)
+        self.telemetry = self.store.telemetry_buffer(worker_id)
+        self.iterations = 0  # engine steps so far
+        self._held: dict[str, _Held] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._janitor = janitor
+        ttl = lease_ttl_s()
+        self._tick_s = min(ttl * HEARTBEAT_FRACTION, 1.0)
+        self._janitor_interval_s = janitor_interval_s or ttl / 2
+        self.loop = EngineLoop(self._make_engine, on_idle=self.telemetry.flush)
+        self._house = threading.Thread(target=self._housekeeping, name="worker-housekeeping", daemon=True)
+
+    def _make_engine(self):
+        from engine.llm_engine import LLMEngine
+
+        return LLMEngine(self.config, stat_loggers=[self._on_iteration])
+
+    def _on_iteration(self, stats: IterationStats) -> None:
+        stats.worker_id = self.worker_id
+        self.iterations += 1
+        self.telemetry.append(stats)
+
+    def start(self) -> WorkerRuntime:
+        self.loop.start()
+        self._house.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.loop.stop(timeout=60)
+        self._house.join(timeout=10)
+
+    # -- shards
+    def check_model(self, manifest: JobManifest) -> None:
+        """A job runs only on a worker serving its model."""
+        if manifest.model and manifest.model != self.config.model:
+            raise RuntimeError(f"job {manifest.job_id} wants model {manifest.model!r}; worker "
+                               f"{self.worker_id} serves {self.config.model!r}")
+
+    def run_shard(self, job_id: str, key: str, requests: list[EngineRequest], lease: Lease,
+                  cancel_marker: Path) -> ShardRun:
+        """Hand a shard attempt's requests to the engine and wait until every one finished."""
+        if not self.loop.alive:
+            raise RuntimeError(f"worker {self.worker_id}: the engine loop is not running")
+        run = ShardRun(job_id, key, requests)
+        with self._lock:
+            self._held[key] = _Held(run, lease, cancel_marker)
+        try:
+            self.loop.submit(run)
+            while not run.done.wait(1.0):
+                if not self.loop.alive:
+                    run.fail("the engine loop stopped")
+        finally:
+            with self._lock:
+                self._held.pop(key, None)
+        return run
+
+    # -- housekeeping
+    def _housekeeping(self) -> None:
+        last_janitor = time.monotonic()
+        while not self._stop.wait(self._tick_s):
+            with self._lock:
+                held = list(self._held.values())
+            for h in held:
+                self._tend(h)
+            if self._janitor is not None and time.monotonic() - last_janitor >= self._janitor_interval_s:
+                last_janitor = time.monotonic()
+                self._run_janitor()
+
+    def _tend(self, h: _Held) -> None:
+        try:
+            h.lease.heartbeat(h.run.rows_done, h.run.output_tokens)
+            if not h.cancel_sent and h.cancel_marker.exists():
+                h.cancel_sent = True
+                self.loop.abort_job(h.run.job_id)
+        except OSError:
+            log.exception("heartbeat of %s failed", h.run.key)
+
+    def _run_janitor(self) -> None:
+        try:
+            self._janitor()
+        except Exception:  # noqa: BLE001 - a failed sweep is retried at the next interval
+            log.exception("re-queueing dead shards failed")
+
+
+_current: WorkerRuntime | None = None
+
+
+def set_runtime(runtime: WorkerRuntime | None) -> None:
+    global _current
+    _current = runtime
+
+
+def current_runtime() -> WorkerRuntime:
+    if _current is None:
+        raise RuntimeError("no worker runtime in this process: shard tasks run under `batchgen worker`")
+    return _current

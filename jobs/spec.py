@@ -1,0 +1,281 @@
+"""The input contract (DESIGN.md "Input Parquet"): which files, which columns, which rows can run.
+
+Two kinds of bad input, handled differently:
+
+- Input errors (`InputError`): an unreadable or missing file, no `prompt`/`messages` column, a
+  column of the wrong type, a null or duplicate `id`. The job is refused before any work, with a
+  message naming the file, the column and the row.
+- Rows that cannot run (an empty prompt, `max_tokens` < 1, a temperature < 0, ...): the job goes
+  on and the row becomes an output row with finish_reason "error". `row_request` says why; the
+  engine itself reports the rows it alone can judge (a prompt longer than the model's context).
+
+Sampling values come from the job's defaults (CLI flags) overridden per row by the optional
+columns; a null cell means "use the default".
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from engine.sampling_params import SamplingParams
+
+# optional per-row sampling columns -> the kind of Arrow type they must have
+SAMPLING_COLUMNS: dict[str, str] = {
+    "max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int", "seed": "int",
+    "stop": "stop", "ignore_eos": "bool", "priority": "int",
+}
+# output columns an input column may not shadow (it would be ambiguous in `outputs`)
+OUTPUT_COLUMNS = ("job_id", "request_id", "output_text", "finish_reason", "prompt_tokens", "output_tokens",
+                  "error")
+RESERVED_PREFIX = "_bg_"  # internal columns of shards and of the store
+KNOWN_COLUMNS = ("id", "prompt", "messages", *SAMPLING_COLUMNS)
+GLOB_CHARS = "*?["
+
+
+class InputError(ValueError):
+    """Input that cannot become a job; the message names the file, column and row."""
+
+
+# ---------------------------------------------------------------- files
+
+
+def resolve_input_files(source: str | os.PathLike) -> list[Path]:
+    """A Parquet file, a directory of them (`*.parquet`, sorted) or a glob -> absolute paths."""
+    text = str(source)
+    path = Path(text).expanduser()
+    if path.is_file():
+        return [path.resolve()]
+    if path.is_dir():
+        found = sorted(p for p in path.glob("*.parquet") if p.is_file())
+        if not found:
+            raise InputError(f"directory {path} holds no *.parquet files")
+        return [p.resolve() for p in found]
+    if any(ch in text for ch in GLOB_CHARS):
+        found = sorted(Path(p) for p in glob.glob(os.path.expanduser(text), recursive=True))
+        found = [p for p in found if p.is_file()]
+        if not found:
+            raise InputError(f"no file matches {text!r}")
+        return [p.resolve() for p in found]
+    raise InputError(f"input {text!r} does not exist (give a Parquet file, a directory or a glob)")
+
+
+def open_parquet(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise InputError(f"{path}: not a readable Parquet file ({_first_line(exc)})") from exc
+
+
+# ---------------------------------------------------------------- columns
+
+
+@dataclass
+class InputSchema:
+    """The columns of a job's input, checked once per file."""
+
+    schema: pa.Schema  # the first file's Arrow schema; every file must match it
+    has_prompt: bool  # a `prompt` column exists
+    has_messages: bool  # a `messages` column exists
+    extra_columns: list[str]  # columns passed through to `outputs` unchanged
+
+    @classmethod
+    def check(cls, schema: pa.Schema, path: Path) -> InputSchema:
+        """Check names and types of `schema` (from `path`); raise InputError naming the column."""
+        names = schema.names
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise InputError(f"{path}: column(s) {dup} appear more than once")
+        if "prompt" not in names and "messages" not in names:
+            raise InputError(f"{path}: needs a 'prompt' (string) or 'messages' (list of role/content) "
+                             f"column; it has {names}")
+        for name in names:
+            _check_column_name(name, path)
+            _check_column_type(name, schema.field(name).type, path)
+        extra = [n for n in names if n not in KNOWN_COLUMNS]
+        return cls(schema, "prompt" in names, "messages" in names, extra)
+
+    def check_same(self, schema: pa.Schema, path: Path) -> None:
+        """Every input file of a job has the same columns with the same types."""
+        mine = {f.name: f.type for f in self.schema}
+        theirs = {f.name: f.type for f in schema}
+        if set(mine) != set(theirs):
+            missing, added = sorted(set(mine) - set(theirs)), sorted(set(theirs) - set(mine))
+            raise InputError(f"{path}: columns differ from the first input file "
+                             f"(missing {missing}, extra {added})")
+        for name, typ in mine.items():
+            if theirs[name] != typ:
+                raise InputError(f"{path}: column {name!r} is {theirs[name]}, but {typ} in the first file")
+
+
+def _check_column_name(name: str, path: Path) -> None:
+    if name.startswith(RESERVED_PREFIX):
+        raise InputError(f"{path}: column {name!r} uses the reserved prefix {RESERVED_PREFIX!r}; rename it")
+    if name in OUTPUT_COLUMNS:
+        hint = " (the row id column is 'id')" if name == "request_id" else ""
+        raise InputError(f"{path}: column {name!r} clashes with an output column of the same name; "
+                         f"rename it{hint}")
+
+
+def _check_column_type(name: str, typ: pa.DataType, path: Path) -> None:
+    want = _COLUMN_KINDS.get(name)
+    if want is None or _TYPE_OK[want](typ):
+        return
+    raise InputError(f"{path}: column {name!r} must be {_TYPE_NAMES[want]}, got {typ}")
+
+
+def _is_str(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t)
+
+
+def _is_messages(t: pa.DataType) -> bool:
+    if not _is_list(t) or not pa.types.is_struct(t.value_type):
+        return False
+    inner = {f.name: f.type for f in t.value_type}
+    return all(k in inner and (_is_str(inner[k]) or pa.types.is_null(inner[k])) for k in ("role", "content"))
+
+
+def _is_int_like(t: pa.DataType) -> bool:
+    # floats are allowed when every value is whole (pandas turns an int column with nulls into float64)
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t)
+
+
+_TYPE_OK = {
+    "str": lambda t: _is_str(t) or pa.types.is_null(t),
+    "messages": lambda t: _is_messages(t) or pa.types.is_null(t),
+    "id": lambda t: pa.types.is_integer(t) or _is_str(t),
+    "int": _is_int_like,
+    "float": lambda t: pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t),
+    "bool": lambda t: pa.types.is_boolean(t) or pa.types.is_null(t),
+    "stop": lambda t: _is_str(t) or (_is_list(t) and _is_str(t.value_type)) or pa.types.is_null(t),
+}
+_TYPE_NAMES = {
+    "str": "a string", "messages": "a list of struct<role: string, content: string>",
+    "id": "an integer or a string", "int": "an integer", "float": "a number", "bool": "a boolean",
+    "stop": "a string or a list of strings",
+}
+_COLUMN_KINDS = {"prompt": "str", "messages": "messages", "id": "id", **SAMPLING_COLUMNS}
+
+
+# ---------------------------------------------------------------- rows
+
+
+class RequestIds:
+    """Request ids of a job in input order: the `id` column, else the row number; unique."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}  # request id -> input row
+        self.num_rows = 0  # rows seen so far (the next row's number)
+
+    def take(self, batch: pa.RecordBatch, path: Path, file_row0: int) -> list[str]:
+        """Ids of `batch` (rows file_row0.. of `path`); raise InputError on a null or duplicate id."""
+        if "id" in batch.schema.names:
+            values = batch.column("id").to_pylist()
+        else:
+            values = list(range(self.num_rows, self.num_rows + batch.num_rows))
+        ids = []
+        for i, value in enumerate(values):
+            where = f"{path} row {file_row0 + i}"
+            if value is None:
+                raise InputError(f"{where}: column 'id' is null; every row needs an id (or drop the column)")
+            rid = str(value)
+            first = self._seen.setdefault(rid, self.num_rows + i)
+            if first != self.num_rows + i:
+                raise InputError(f"{where}: duplicate id {rid!r} (first used by input row {first})")
+            ids.append(rid)
+        self.num_rows += batch.num_rows
+        return ids
+
+
+def check_sampling_values(batch: pa.RecordBatch, path: Path, file_row0: int) -> None:
+    """Integer columns stored as floats must hold whole numbers (else it is a wrong type)."""
+    for name, kind in SAMPLING_COLUMNS.items():
+        if kind != "int" or name not in batch.schema.names:
+            continue
+        if not pa.types.is_floating(batch.schema.field(name).type):
+            continue
+        for i, value in enumerate(batch.column(name).to_pylist()):
+            if value is not None and not (math.isfinite(value) and float(value).is_integer()):
+                raise InputError(f"{path} row {file_row0 + i}: column {name!r} must be an integer, "
+                                 f"got {value!r}")
+
+
+@dataclass
+class RowRequest:
+    """What the engine is asked for one input row (or why the row cannot run)."""
+
+    prompt: str | None  # text prompt (None when messages are given or the row is bad)
+    messages: list[dict] | None  # chat messages, the model's chat template applies
+    params: SamplingParams | None  # the row's sampling parameters (None when the row is bad)
+    error: str | None  # why the row cannot run; it becomes an output row with finish_reason "error"
+
+
+def sampling_defaults(**given: Any) -> dict:
+    """Job-level sampling defaults (CLI flags; None = SamplingParams' default), checked now."""
+    known = {f.name for f in fields(SamplingParams)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise InputError(f"unknown sampling parameter(s) {unknown}")
+    defaults = {k: v for k, v in given.items() if v is not None}
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as exc:
+        raise InputError(f"job sampling defaults: {exc}") from exc
+    return defaults
+
+
+def row_request(row: dict, defaults: dict) -> RowRequest:
+    """Turn one input row (a dict of its cells) into a RowRequest; bad rows get an error."""
+    overrides = {k: _cell(k, row[k]) for k in SAMPLING_COLUMNS if row.get(k) is not None}
+    messages = row.get("messages")
+    prompt = row.get("prompt")
+    if messages is None and prompt is None:
+        return RowRequest(None, None, None, "empty prompt (both 'prompt' and 'messages' are null)")
+    if messages is not None:
+        error = _check_messages(messages)
+        if error:
+            return RowRequest(None, None, None, error)
+        prompt = None
+    elif not prompt:
+        return RowRequest(None, None, None, "empty prompt")
+    try:
+        params = SamplingParams(**{**defaults, **overrides})
+    except (TypeError, ValueError) as exc:
+        return RowRequest(None, None, None, f"invalid sampling parameters: {exc}")
+    return RowRequest(prompt, messages, params, None)
+
+
+def _cell(name: str, value: Any) -> Any:
+    kind = SAMPLING_COLUMNS[name]
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return float(value)
+    if kind == "stop":
+        return [value] if isinstance(value, str) else [s for s in value if s is not None]
+    return bool(value)
+
+
+def _check_messages(messages: list) -> str | None:
+    if not messages:
+        return "empty prompt ('messages' is an empty list)"
+    for i, msg in enumerate(messages):
+        if msg is None or msg.get("role") is None or msg.get("content") is None:
+            return f"messages[{i}] needs a non-null 'role' and 'content'"
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

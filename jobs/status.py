@@ -1,0 +1,158 @@
+"""`batchgen status` and `batchgen retry`: job and shard progress from the views plus live leases.
+
+The `jobs`, `shards` and `outputs` views say what is committed; lease files add the rows finished
+so far by shards still running. Request counts follow OpenAI Batch's `request_counts`: total,
+completed (stop or length), failed (error rows), plus cancelled.
+"""
+
+from __future__ import annotations
+
+import time
+
+from jobs.broker import BrokerSettings
+from jobs.leases import ShardLeases
+from jobs.manifest import JobManifest, JobPaths, load_manifest
+from jobs.store.catalog import connect
+from jobs.store.parts import Store
+from jobs.store.schemas import ShardEvent
+from jobs.supervise import job_progress
+
+_COUNTS_SQL = """
+SELECT job_id,
+    count(*) FILTER (WHERE finish_reason IN ('stop', 'length')) AS completed,
+    count(*) FILTER (WHERE finish_reason = 'error') AS failed,
+    count(*) FILTER (WHERE finish_reason = 'cancelled') AS cancelled
+FROM outputs {where} GROUP BY job_id
+"""
+
+
+def _fetch(con, sql: str, params: list | None = None) -> list[dict]:
+    cur = con.execute(sql, params or [])
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+def _request_counts(total: int, counts: dict | None) -> dict:
+    counts = counts or {}
+    return {"total": total, "completed": counts.get("completed", 0), "failed": counts.get("failed", 0),
+            "cancelled": counts.get("cancelled", 0)}
+
+
+def jobs_status(data_dir: str) -> list[dict]:
+    """One row per job: status, request counts, shard counts, rows done (live), tokens."""
+    con = connect(data_dir)
+    try:
+        jobs = {r["job_id"]: r for r in _fetch(con, "SELECT * FROM jobs ORDER BY submitted_at, job_id")}
+        counts = {r["job_id"]: r for r in _fetch(con, _COUNTS_SQL.format(where=""))}
+    finally:
+        con.close()
+    rows = []
+    for job_id in sorted(jobs, key=lambda j: (str(jobs[j]["submitted_at"]), j)):
+        job = jobs[job_id]
+        live = _live_rows(data_dir, job_id)
+        rows.append({
+            "job_id": job_id, "status": job["status"], "model": job["model"],
+            "request_counts": _request_counts(job["num_requests"] or 0, counts.get(job_id)),
+            "rows_done": max(live, job["rows_done"] or 0), "num_shards": job["num_shards"],
+            "shards_completed": job["shards_completed"], "shards_failed": job["shards_failed"],
+            "shards_running": job["shards_running"], "output_tokens": job["output_tokens"],
+            "submitted_at": job["submitted_at"], "finished_at": job["finished_at"], "error": job["error"],
+        })
+    return rows
+
+
+def _live_rows(data_dir: str, job_id: str) -> int:
+    try:
+        return job_progress(load_manifest(data_dir, job_id)).rows_done
+    except (OSError, ValueError):
+        return 0
+
+
+def job_status(manifest: JobManifest) -> dict:
+    """One job: its `jobs` row, request counts and every shard (with live progress when running)."""
+    con = connect(manifest.data_dir)
+    try:
+        job = _fetch(con, "SELECT * FROM jobs WHERE job_id = ?", [manifest.job_id])
+        shards = _fetch(con, "SELECT * FROM shards WHERE job_id = ? ORDER BY shard_id", [manifest.job_id])
+        counts = _fetch(con, _COUNTS_SQL.format(where="WHERE job_id = ?"), [manifest.job_id])
+    finally:
+        con.close()
+    progress = {s.shard_id: s for s in job_progress(manifest).shards}
+    for shard in shards:
+        live = progress.get(shard["shard_id"])
+        if shard["status"] == "running" and live is not None:
+            shard["rows_done"], shard["output_tokens"] = live.rows_done, live.output_tokens
+    info = dict(job[0]) if job else {"job_id": manifest.job_id, "status": "queued"}
+    info.pop("config", None)
+    info["request_counts"] = _request_counts(manifest.num_requests, counts[0] if counts else None)
+    info["shards"] = shards
+    return info
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def render_jobs(rows: list[dict]) -> str:
+    if not rows:
+        return "no jobs"
+    header = ("JOB", "STATUS", "ROWS DONE", "OK", "ERROR", "CANCELLED", "SHARDS DONE/FAILED/ALL", "TOKENS",
+              "MODEL")
+    lines = [header]
+    for r in rows:
+        c = r["request_counts"]
+        lines.append((r["job_id"], r["status"], f"{r['rows_done']}/{c['total']}", str(c["completed"]),
+                      str(c["failed"]), str(c["cancelled"]),
+                      f"{r['shards_completed']}/{r['shards_failed']}/{r['num_shards']}",
+                      str(r["output_tokens"] or 0), str(r["model"])))
+    return _table(lines)
+
+
+def render_job(info: dict) -> str:
+    c = info["request_counts"]
+    head = [
+        f"job {info['job_id']}: {info['status']}",
+        f"requests: total {c['total']}, completed {c['completed']}, failed {c['failed']}, "
+        f"cancelled {c['cancelled']}",
+        f"tokens: prompt {info.get('prompt_tokens') or 0}, output {info.get('output_tokens') or 0}",
+    ]
+    if info.get("error"):
+        head.append(f"error: {info['error']}")
+    lines = [("SHARD", "STATUS", "ATTEMPTS", "ROWS", "WORKER", "ERROR")]
+    for s in info["shards"]:
+        rows = f"{s['rows_done'] or 0}/{s['num_requests'] or '?'}"
+        lines.append((str(s["shard_id"]), s["status"], str(s["attempts"]), rows, s["worker_id"] or "",
+                      s["error"] or ""))
+    return "\n".join(head) + "\n\n" + _table(lines)
+
+
+def _table(lines: list[tuple[str, ...]]) -> str:
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(lines[0]))]
+    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(line, widths, strict=True)).rstrip()
+                     for line in lines)
+
+
+# ---------------------------------------------------------------- retry
+
+
+def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[int]:
+    """Publish again the shards that failed for good, with a fresh retry budget; their ids."""
+    from jobs.celery_app import publish_shard
+
+    paths = JobPaths.of(manifest.data_dir, manifest.job_id)
+    if paths.cancel_marker.exists():
+        raise ValueError(f"job {manifest.job_id} was cancelled; its shards are not retried")
+    con = connect(manifest.data_dir)
+    try:
+        failed = [r["shard_id"] for r in _fetch(
+            con, "SELECT shard_id FROM shards WHERE job_id = ? AND status = 'failed' ORDER BY shard_id",
+            [manifest.job_id])]
+    finally:
+        con.close()
+    claims = ShardLeases(paths.leases).claimed_attempts()
+    store = Store(manifest.data_dir)
+    for shard_id in failed:
+        next_attempt = (claims.get(shard_id) or [0])[-1] + 1
+        store.record_shard_events([ShardEvent(manifest.job_id, shard_id, "queued", time.time(),
+                                              attempt=next_attempt, error="retry requested")])
+        publish_shard(broker, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir)
+    return failed

@@ -1,0 +1,47 @@
+"""`batchgen worker` inside: load the engine once, then consume shard tasks with Celery.
+
+Celery runs with the threads pool so every task thread shares this process's one engine (see
+jobs.runtime). Shutdown: Celery's warm shutdown on SIGTERM/SIGINT stops taking messages and waits
+for the shards in flight to finish and commit; only then is the engine loop stopped. A second
+signal (cold shutdown) exits at once: the attempts in flight die with the process, their leases
+go stale and the shards are re-queued (nothing is lost, the attempt is redone).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.config import EngineConfig
+from jobs.broker import BrokerSettings
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, worker_id: str,
+               concurrency: int, loglevel: str = "INFO") -> int:
+    """Serve shard tasks until shut down; the process exit code."""
+    from jobs.celery_app import make_app
+    from jobs.runtime import WorkerRuntime, set_runtime
+    from jobs.supervise import requeue_dead_shards
+
+    app = make_app(settings)
+    try:
+        runtime = WorkerRuntime(config, worker_id, data_dir,
+                                janitor=lambda: requeue_dead_shards(data_dir, settings)).start()
+    except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot be found or loaded
+        log.error("worker %s cannot start its engine: %s", worker_id, exc)
+        return 1
+    set_runtime(runtime)
+    log.info("worker %s: model %s loaded; consuming %s queue %r (concurrency %d)", worker_id, config.model,
+             settings.display_url, settings.queue, concurrency)
+    try:
+        celery_worker = app.Worker(
+            hostname=worker_id, pool="threads", concurrency=concurrency, queues=[settings.queue],
+            loglevel=loglevel, prefetch_multiplier=1, without_gossip=True, without_mingle=True,
+            without_heartbeat=True, quiet=True,
+        )
+        celery_worker.start()
+        return celery_worker.exitcode or 0
+    finally:
+        runtime.stop()
+        set_runtime(None)
