@@ -99,7 +99,7 @@ class Tokenizer(BaseTokenizer):
         """Load tokenizer.json, tokenizer_config.json (and chat_template.jinja, generation_config.json).
 
         Only tokenizer.json is required. The eos ids are the eos token, the eos ids of
-        generation_config.json, and the turn-end token of the chat template.
+        generation_config.json and config.json, and the turn-end token of the chat template.
         """
         directory = Path(directory)
         path = directory / "tokenizer.json"
@@ -111,6 +111,8 @@ class Tokenizer(BaseTokenizer):
             raise ValueError(f"{path}: not a valid tokenizers file ({_first_line(exc)})") from None
         config = _read_json(directory / "tokenizer_config.json")
         generation = _read_json(directory / "generation_config.json")
+        model_config = _read_json(directory / "config.json")
+        eos_ids = _as_id_list(generation.get("eos_token_id")) + _as_id_list(model_config.get("eos_token_id"))
         return cls(
             backend,
             bos_token=_token_text(config.get("bos_token")),
@@ -118,7 +120,7 @@ class Tokenizer(BaseTokenizer):
             pad_token=_token_text(config.get("pad_token")),
             unk_token=_token_text(config.get("unk_token")),
             chat_template=_read_chat_template(directory, config),
-            extra_eos_token_ids=_as_id_list(generation.get("eos_token_id")),
+            extra_eos_token_ids=eos_ids,
             model_max_length=config.get("model_max_length"),
         )
 

@@ -216,7 +216,7 @@ def test_turn_end_token_of_the_template_counts_as_eos(tiny_gguf):
 
 
 def test_tokenizer_directory_files_win(tmp_path, tiny_gguf):
-    """chat_template.jinja (newer transformers) and generation_config.json eos ids are read."""
+    """chat_template.jinja (newer transformers) and the eos ids of generation_config/config.json are read."""
     import json
 
     from engine.loader import load_gguf
@@ -227,6 +227,9 @@ def test_tokenizer_directory_files_win(tmp_path, tiny_gguf):
     tok = Tokenizer.from_dir(tmp_path)
     assert tok.apply_chat_template([{"role": "user", "content": "only this"}]) == "only this"
     assert tok.eos_token_ids == {0, 2}
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 1}))
+    assert Tokenizer.from_dir(tmp_path).eos_token_ids == {1, 2}
 
 
 # ---------------------------------------------------------------- the real SmolLM2 tokenizer (slow)
