@@ -129,7 +129,10 @@ const bg = (() => {
             ctx.moveTo(x, top);
             ctx.lineTo(x, bottom);
             ctx.stroke();
-            ctx.fillText(m.label, x + 3 * devicePixelRatio, top + (12 + 12 * (m.row || 0)) * devicePixelRatio);
+            const y = top + (12 + 12 * (m.row || 0)) * devicePixelRatio;
+            const w = ctx.measureText(m.label).width;
+            const right = u.bbox.left + u.bbox.width;
+            ctx.fillText(m.label, x + 3 * devicePixelRatio + w > right ? x - w - 3 * devicePixelRatio : x + 3 * devicePixelRatio, y);
           }
           ctx.restore();
         }],

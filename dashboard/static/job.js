@@ -9,7 +9,10 @@
   const timeX = { x: { time: true } };
   const xAxis = { ...axisStyle };
   const yAxis = (label, extra = {}) => ({ ...axisStyle, label, labelSize: 18, size: 56, values: (u, v) => v.map(fmt.compact), ...extra });
+  // engine values hold from one iteration to the next: draw them as steps
+  const steps = uPlot.paths.stepped({ align: 1 });
   const line = (label, color, extra = {}) => ({ label, stroke: color, width: 1.5, points: { show: false }, ...extra });
+  const stepLine = (label, color, extra = {}) => line(label, color, { paths: steps, ...extra });
   const area = (label, color, extra = {}) => line(label, color, { fill: alpha(color, 0.18), ...extra });
   const dashed = (label, color, extra = {}) => line(label, color, { dash: [6, 4], width: 1.2, ...extra });
   const valueFmt = (digits) => (u, v) => (v === null || v === undefined ? "–" : fmt.num(v, digits));
@@ -28,10 +31,10 @@
     chart($("chart-concurrency"), {
       scales: timeX,
       series: [{},
-        line("job requests outstanding", colors.orange, { width: 2, value: valueFmt(0) }),
-        area("engine running seqs", colors.blue, { value: valueFmt(1) }),
-        line("engine waiting", colors.purple, { value: valueFmt(1) }),
-        dashed("max_num_seqs", colors.grey, { value: valueFmt(0) })],
+        stepLine("job requests outstanding", colors.orange, { width: 2, value: valueFmt(0) }),
+        area("engine running seqs", colors.blue, { paths: steps, value: valueFmt(1) }),
+        stepLine("engine waiting", colors.purple, { value: valueFmt(1) }),
+        dashed("max_num_seqs", colors.grey, { paths: steps, value: valueFmt(0) })],
       axes: [xAxis, yAxis("sequences / requests")],
     }, s.ts ? [s.ts, s.outstanding_requests, s.num_running, s.num_waiting, s.max_num_seqs] : [[]],
     "no engine iterations yet");
@@ -42,9 +45,9 @@
     chart($("chart-budget"), {
       scales: timeX,
       series: [{},
-        area("prefill + decode", colors.teal, { value: valueFmt(1) }),
-        area("decode", colors.green, { value: valueFmt(1), fill: alpha(colors.green, 0.35) }),
-        dashed("token budget", colors.red, { value: valueFmt(0) })],
+        area("prefill + decode", colors.teal, { paths: steps, value: valueFmt(1) }),
+        area("decode", colors.green, { paths: steps, value: valueFmt(1), fill: alpha(colors.green, 0.35) }),
+        dashed("token budget", colors.red, { paths: steps, value: valueFmt(0) })],
       axes: [xAxis, yAxis("tokens / iteration")],
     }, s.ts ? [s.ts, s.scheduled_tokens, s.decode_tokens, s.token_budget] : [[]], "no engine iterations yet");
   }
@@ -54,12 +57,13 @@
     chart($("chart-kv"), {
       scales: { ...timeX, p: { range: (u, lo, hi) => [0, Math.max(hi, 1) * 1.2] } },
       series: [{},
-        area("KV blocks used", colors.purple, { value: valueFmt(0) }),
-        dashed("KV blocks total", colors.grey, { value: valueFmt(0) }),
+        area("KV blocks used", colors.purple, { paths: steps, value: valueFmt(0) }),
+        dashed("KV blocks total", colors.grey, { paths: steps, value: valueFmt(0) }),
         { label: "preempted", stroke: colors.red, fill: alpha(colors.red, 0.6), scale: "p", width: 0,
           paths: uPlot.paths.bars({ size: [0.9, 6] }), points: { show: false }, value: valueFmt(0) }],
       axes: [xAxis, yAxis("KV blocks"),
-        { ...axisStyle, scale: "p", side: 1, label: "preempted", labelSize: 18, size: 44, grid: { show: false } }],
+        { ...axisStyle, scale: "p", side: 1, label: "preempted", labelSize: 18, size: 44, grid: { show: false },
+          incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000], values: (u, v) => v.map(fmt.compact) }],
     }, s.ts ? [s.ts, s.kv_blocks_used, s.kv_blocks_total, s.num_preempted] : [[]], "no engine iterations yet");
   }
 

@@ -1,0 +1,246 @@
+"""Every page and endpoint over a data dir filled by a real job; the numbers they show equal SQL."""
+
+from __future__ import annotations
+
+import html
+import io
+import re
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from dashboard import create_app
+from dashboard.formatting import fmt_duration, fmt_num, fmt_rate
+from jobs.store.layout import init_data_dir
+from jobs.store.parts import Store
+from jobs.store.schemas import JobRecord, ShardEvent
+from tests.dashboard.conftest import JOB_ID, as_json, sql, sql_one
+
+PAGES = ["/", f"/jobs/{JOB_ID}", "/workers", "/sweeps", "/sql"]
+ENDPOINTS = ["/api/jobs", f"/api/jobs/{JOB_ID}", f"/api/jobs/{JOB_ID}/iterations",
+             f"/api/jobs/{JOB_ID}/throughput", f"/api/jobs/{JOB_ID}/latency", f"/api/jobs/{JOB_ID}/outputs",
+             "/api/workers", "/api/sweeps"]
+
+
+def stat(page: str, name: str) -> str:
+    """data-value of a job page's stat card."""
+    m = re.search(rf'data-stat="{name}" data-value="([^"]*)"', page)
+    assert m, f"no stat {name} on the page"
+    return m.group(1)
+
+
+@pytest.mark.parametrize("url", PAGES)
+def test_page_renders(client, url):
+    response = client.get(url)
+    assert response.status_code == 200
+    page = response.get_data(as_text=True)
+    assert '<link rel="icon" href="data:,">' in page
+    assert "cdn" not in page.lower() and "https://" not in page  # everything served from here
+    assert response.headers["Content-Security-Policy"].startswith("default-src 'self'")
+
+
+@pytest.mark.parametrize("url", ENDPOINTS)
+def test_endpoint_answers_json(client, url):
+    response = client.get(url)
+    assert response.status_code == 200
+    assert response.mimetype == "application/json"
+    assert b"NaN" not in response.data and b"Infinity" not in response.data
+
+
+def test_static_assets_are_served(client):
+    for path in ("/static/vendor/uplot/uPlot.iife.min.js", "/static/vendor/uplot/uPlot.min.css",
+                 "/static/app.js", "/static/job.js", "/static/jobs.js", "/static/app.css"):
+        with client.get(path) as response:
+            assert response.status_code == 200, path
+
+
+def test_jobs_page_numbers_equal_sql(client, job_data_dir):
+    want = sql_one(job_data_dir, f"SELECT * FROM jobs WHERE job_id = '{JOB_ID}'")
+    errors = sql_one(job_data_dir, f"SELECT count(*) AS n FROM outputs WHERE job_id = '{JOB_ID}' "
+                                   "AND finish_reason = 'error'")["n"]
+    rate = want["output_tokens"] / (want["finished_at"] - want["started_at"]).total_seconds()
+    page = client.get("/").get_data(as_text=True)
+    row = re.search(rf'<tr data-job-id="{JOB_ID}">(.*?)</tr>', page, re.S).group(1)
+    assert want["status"] == "completed" and "status-completed" in row
+    assert f"{fmt_num(want['rows_done'])} / {fmt_num(want['num_requests'])}" in row
+    assert re.search(rf'data-field="output_tokens_per_s">{re.escape(fmt_rate(rate))}<', row)
+    assert errors == 1 and re.search(r'data-field="errors"[^>]*>1<', row)
+
+    api = as_json(client.get("/api/jobs"))["jobs"][0]
+    assert api["rows_done"] == want["rows_done"] == 16
+    assert api["output_tokens"] == want["output_tokens"]
+    assert api["error_rows"] == errors
+    assert api["output_tokens_per_s"] == pytest.approx(rate, rel=1e-6)
+    assert api["eta_s"] is None and api["live"] is False
+
+
+def test_job_page_numbers_equal_sql(client, job_data_dir):
+    want = sql_one(job_data_dir, f"SELECT * FROM jobs WHERE job_id = '{JOB_ID}'")
+    preempted = sql_one(job_data_dir,
+                        f"SELECT sum(num_preemptions) AS n FROM requests WHERE job_id = '{JOB_ID}'")
+    page = client.get(f"/jobs/{JOB_ID}").get_data(as_text=True)
+    assert int(stat(page, "rows_done")) == want["rows_done"]
+    assert int(stat(page, "num_requests")) == want["num_requests"]
+    assert int(stat(page, "output_tokens")) == want["output_tokens"]
+    assert int(stat(page, "request_preemptions")) == preempted["n"]
+    elapsed = (want["finished_at"] - want["started_at"]).total_seconds()
+    assert float(stat(page, "elapsed_s")) == pytest.approx(elapsed, rel=1e-6)
+    rate = want["output_tokens"] / elapsed
+    assert float(stat(page, "output_tokens_per_s")) == pytest.approx(rate, rel=1e-6)
+
+
+def test_job_page_latency_table_equals_sql(client, job_data_dir):
+    want = sql_one(job_data_dir, f"""
+        SELECT count(*) AS n, quantile_cont(ttft_s, 0.5) AS p50, quantile_cont(ttft_s, 0.9) AS p90,
+               quantile_cont(ttft_s, 0.99) AS p99
+        FROM requests WHERE job_id = '{JOB_ID}' AND first_token_ts > 0""")
+    itl = sql_one(job_data_dir, f"SELECT quantile_cont(tpot_s, 0.5) AS p50 FROM requests "
+                                f"WHERE job_id = '{JOB_ID}' AND output_tokens > 1 AND first_token_ts > 0")
+    page = client.get(f"/jobs/{JOB_ID}").get_data(as_text=True)
+    ttft_row = re.search(r'<tr data-metric="ttft_s">(.*?)</tr>', page, re.S).group(1)
+    for q in ("p50", "p90", "p99"):
+        shown = re.search(rf'data-q="{q}" data-value="([^"]*)">([^<]*)<', ttft_row)
+        assert float(shown.group(1)) == pytest.approx(want[q], rel=1e-9)
+        assert shown.group(2) == html.escape(fmt_duration(want[q]))
+    latency = as_json(client.get(f"/api/jobs/{JOB_ID}/latency"))
+    assert latency["ttft_s"]["count"] == want["n"] == 15  # the error row never got a first token
+    assert latency["itl_s"]["p50"] == pytest.approx(itl["p50"], rel=1e-9)
+    assert sum(latency["ttft_s"]["histogram"]["count"]) == want["n"]
+
+
+def test_shards_table_equals_sql(client, job_data_dir):
+    want = sql(job_data_dir, f"SELECT shard_id, status, attempts, worker_id FROM shards "
+                             f"WHERE job_id = '{JOB_ID}' ORDER BY shard_id")
+    api = as_json(client.get(f"/api/jobs/{JOB_ID}"))["shards"]
+    assert [(s["shard_id"], s["status"], s["attempts"], s["worker_id"]) for s in api] == \
+        [tuple(r.values()) for r in want]
+    page = client.get(f"/jobs/{JOB_ID}").get_data(as_text=True)
+    for r in want:
+        row = re.search(rf'<tr data-shard-id="{r["shard_id"]}">(.*?)</tr>', page, re.S).group(1)
+        assert r["status"] in row and html.escape(r["worker_id"]) in row
+
+
+def test_iterations_endpoint_equals_sql(client, job_data_dir):
+    want = sql_one(job_data_dir, f"""
+        SELECT count(*) AS n, sum(decode_tokens) AS decode, sum(prefill_tokens) AS prefill,
+               max(num_running) AS max_running, sum(num_preempted) AS preempted,
+               max(kv_blocks_total) AS kv_total
+        FROM iterations WHERE list_contains(job_ids, '{JOB_ID}')""")
+    body = as_json(client.get(f"/api/jobs/{JOB_ID}/iterations"))
+    s = body["series"]
+    assert body["num_iterations"] == want["n"] > 0 and body["downsampled"] is False
+    assert len(s["ts"]) == want["n"] and s["ts"] == sorted(s["ts"])
+    assert sum(s["decode_tokens"]) == want["decode"]
+    assert sum(s["prefill_tokens"]) == want["prefill"]
+    assert max(s["num_running"]) == want["max_running"]
+    assert sum(s["num_preempted"]) == want["preempted"]
+    assert set(s["kv_blocks_total"]) == {want["kv_total"]}
+    assert all(sch <= budget for sch, budget in zip(s["scheduled_tokens"], s["token_budget"], strict=True))
+
+
+def test_outstanding_requests_are_request_concurrency(client, job_data_dir):
+    """At each iteration: the job's requests that arrived and had not finished, not running sequences."""
+    body = as_json(client.get(f"/api/jobs/{JOB_ID}/iterations"))["series"]
+    requests = sql(job_data_dir,
+                   f"SELECT arrival_ts, finished_ts FROM requests_live WHERE job_id = '{JOB_ID}'")
+    for ts, shown in list(zip(body["ts"], body["outstanding_requests"], strict=True))[::7]:
+        assert shown == sum(1 for r in requests if r["arrival_ts"] <= ts < r["finished_ts"])
+    # the engine admitted fewer than were outstanding at some point: the distinction is visible
+    assert any(o > r for o, r in zip(body["outstanding_requests"], body["num_running"], strict=True))
+
+
+def test_throughput_buckets_add_up_to_output_tokens(client, job_data_dir):
+    want = sql_one(job_data_dir, f"SELECT sum(output_tokens) AS n FROM requests WHERE job_id = '{JOB_ID}' "
+                                 "AND first_token_ts > 0")
+    body = as_json(client.get(f"/api/jobs/{JOB_ID}/throughput"))
+    tokens = sum(rate * body["bucket_s"] for rate in body["series"]["output_tokens_per_s"])
+    assert tokens == pytest.approx(want["n"], rel=1e-6)
+    assert body["output_tokens"] == want["n"]
+
+
+def test_outputs_sample_and_download_equal_the_view(client, job_data_dir):
+    want = sql(job_data_dir, f"SELECT request_id, finish_reason, output_tokens, topic FROM outputs "
+                             f"WHERE job_id = '{JOB_ID}' ORDER BY request_id::INT")
+    sample = as_json(client.get(f"/api/jobs/{JOB_ID}/outputs"))["outputs"]
+    assert [(o["request_id"], o["finish_reason"], o["output_tokens"], o["topic"]) for o in sample] == \
+        [tuple(r.values()) for r in want][: len(sample)]
+    with client.get(f"/jobs/{JOB_ID}/outputs.parquet") as response:
+        assert response.status_code == 200
+        assert f"{JOB_ID}.outputs.parquet" in response.headers["Content-Disposition"]
+        table = pq.read_table(io.BytesIO(response.data))
+    assert table.num_rows == len(want) == 16
+    assert {"job_id", "request_id", "output_text", "finish_reason", "topic"} <= set(table.column_names)
+    assert table.column("request_id").to_pylist() == [r["request_id"] for r in want]
+
+
+def test_workers_page_equals_sql(client, job_data_dir):
+    want = sql_one(job_data_dir, "SELECT worker_id, count(*) AS n, max(ts + duration_s) AS last, "
+                                 "sum(decode_tokens) / (max(ts + duration_s) - min(ts)) AS rate "
+                                 "FROM iterations GROUP BY worker_id")
+    workers = as_json(client.get("/api/workers"))["workers"]
+    assert len(workers) == 1
+    w = workers[0]
+    assert (w["worker_id"], w["iterations"]) == (want["worker_id"], want["n"])
+    assert w["last_seen_ts"] == pytest.approx(want["last"])
+    assert w["lifetime_decode_tokens_per_s"] == pytest.approx(want["rate"])
+    assert w["current_shards"] == [] and w["latest_job_id"] == JOB_ID
+    assert w["engine_config"]["max_num_seqs"] == 6 and w["engine_config"]["block_size"] == 4
+    page = client.get("/workers").get_data(as_text=True)
+    assert html.escape(want["worker_id"]) in page
+    assert re.search(rf'data-field="lifetime_decode_tokens_per_s">{re.escape(fmt_rate(want["rate"]))}<', page)
+
+
+@pytest.mark.parametrize("url", ["/jobs/no-such-job", "/api/jobs/no-such-job",
+                                 "/api/jobs/no-such-job/iterations", "/jobs/no-such-job/outputs.parquet"])
+def test_unknown_job_is_404(client, url):
+    response = client.get(url)
+    assert response.status_code == 404
+    assert b"no-such-job" in response.data
+
+
+@pytest.mark.parametrize("bad", ["..", "a%27%20OR%201=1--", "-x", "a" * 200, "x%00y", "%2e%2e%2fetc"])
+def test_malformed_job_id_is_404_and_never_queried(client, bad):
+    for url in (f"/jobs/{bad}", f"/api/jobs/{bad}", f"/api/jobs/{bad}/latency"):
+        response = client.get(url)
+        assert response.status_code == 404, url
+
+
+@pytest.mark.parametrize("url", ["/", "/workers", "/sweeps", "/sql", "/api/jobs", "/api/workers",
+                                 "/api/sweeps"])
+def test_missing_data_dir_shows_empty_state(empty_app, url):
+    response = empty_app.test_client().get(url)
+    assert response.status_code == 200
+    if url == "/":
+        assert b"does not exist yet" in response.data
+
+
+def test_missing_data_dir_job_is_404_not_500(empty_app):
+    response = empty_app.test_client().get(f"/api/jobs/{JOB_ID}")
+    assert response.status_code == 404 and JOB_ID in response.json["error"]
+
+
+def test_empty_data_dir_shows_no_jobs(tmp_path):
+    init_data_dir(tmp_path)
+    client = create_app({"TESTING": True, "DATA_DIR": tmp_path}).test_client()
+    assert b"No jobs in" in client.get("/").data
+    assert as_json(client.get("/api/jobs"))["jobs"] == []
+    assert b"No worker has written" in client.get("/workers").data
+    assert b"No sweeps" in client.get("/sweeps").data
+
+
+def test_queued_job_with_nothing_finished(tmp_path):
+    """A job just submitted: every page and endpoint answers, nothing is NaN, it shows as live."""
+    store = Store(tmp_path)
+    store.record_job(JobRecord("fresh", "tiny-random", 10, 2, time.time() - 5))
+    store.record_shard_events([ShardEvent("fresh", s, "queued", time.time()) for s in range(2)])
+    client = create_app({"TESTING": True, "DATA_DIR": tmp_path}).test_client()
+    for url in ("/", "/jobs/fresh", "/api/jobs/fresh/iterations", "/api/jobs/fresh/throughput",
+                "/api/jobs/fresh/latency", "/workers"):
+        response = client.get(url)
+        assert response.status_code == 200, url
+        assert b"NaN" not in response.data, url
+    job = as_json(client.get("/api/jobs/fresh"))["job"]
+    assert (job["status"], job["live"], job["rows_done"], job["progress"]) == ("queued", True, 0, 0.0)
+    assert job["output_tokens_per_s"] is None and job["eta_s"] is None and job["age_s"] >= 5
+    assert b'data-live="1"' in client.get("/jobs/fresh").data
