@@ -230,7 +230,7 @@ def build_llm(engine_kw: dict):
     model = engine_kw.pop("model")
     try:
         return LLM(model, **engine_kw)
-    except ValueError as exc:
+    except (LookupError, ValueError) as exc:  # unknown/unpulled model, bad file, bad engine flag
         raise click.UsageError(str(exc)) from None
 
 

@@ -182,7 +182,7 @@ def _load(model: str):
 
     try:
         return load_checkpoint(resolve_model(model))
-    except ModelNotFoundError as exc:
+    except (ModelNotFoundError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
 
 
