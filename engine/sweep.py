@@ -88,7 +88,7 @@ def first_slo_breach(curve: list[tuple[int, float, float]], itl_slo_s: float) ->
 
 
 def sweep_rows(points: list[SweepPoint], sweep_id: str, model: str, workload_desc: dict) -> list[dict]:
-    """One `sweeps` row per measured configuration and repeat."""
+    """One `sweeps` row (SweepRecord fields) per measured configuration and repeat."""
     ts = time.time()
     rows = []
     for p in points:
@@ -187,9 +187,9 @@ def _load(model: str):
 
 
 def _record(data_dir: str, rows: list[dict]) -> None:
-    from jobs.store import write_sweep_rows
+    from jobs.store import Store, SweepRecord
 
-    write_sweep_rows(data_dir, rows)
+    Store(data_dir).record_sweep([SweepRecord(**row) for row in rows])
 
 
 def _report(points: list[SweepPoint], knee_gain: float, itl_slo_ms: float | None, sweep_id: str) -> None:
