@@ -3,6 +3,8 @@ over the context): Triton kernels, launcher, torch reference."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -198,4 +200,75 @@ def paged_decode_attention_ref(
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2), keys, values, attn_mask=valid, scale=scale, enable_gqa=True
     )  # (S, Hq, 1, D)
+    return out.squeeze(2)
+
+
+@dataclass
+class DecodeGroup:
+    """Decodes of similar context length, gathered and attended together on the torch path."""
+
+    seqs: torch.Tensor | None  # (n,) int64 decode indices in this group; None = all decodes, in order
+    blocks: torch.Tensor  # (n * nb,) int64 block ids of the group, row-major, for index_select
+    mask: torch.Tensor  # (n, 1, 1, nb * block_size) bool: key position < the sequence's context length
+
+
+def plan_decode_groups(
+    context_lens_cpu: list[int], block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
+) -> list[DecodeGroup]:
+    """Split decodes into groups whose contexts are within 1.5x of the group's longest, so that the
+    padded gather wastes little; build each group's gather indices and mask once per step."""
+    order = sorted(range(len(context_lens_cpu)), key=context_lens_cpu.__getitem__, reverse=True)
+    groups: list[list[int]] = []
+    for seq in order:
+        top = context_lens_cpu[groups[-1][0]] if groups else 0
+        if groups and (context_lens_cpu[seq] * 1.5 >= top or top - context_lens_cpu[seq] < 128):
+            groups[-1].append(seq)
+        else:
+            groups.append([seq])
+    if len(groups) == 1:
+        return [_decode_group(None, context_lens_cpu[order[0]], block_tables, context_lens, block_size)]
+    return [
+        _decode_group(seqs, context_lens_cpu[seqs[0]], block_tables, context_lens, block_size)
+        for seqs in groups
+    ]
+
+
+def _decode_group(
+    seqs: list[int] | None,
+    longest: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+) -> DecodeGroup:
+    """One group's gather indices and mask; seqs None means every decode, in order."""
+    index = None if seqs is None else torch.tensor(seqs, dtype=torch.int64, device=block_tables.device)
+    tables = block_tables if index is None else block_tables.index_select(0, index)
+    lens = context_lens if index is None else context_lens.index_select(0, index)
+    num_blocks = -(-longest // block_size)
+    key_pos = torch.arange(num_blocks * block_size, device=block_tables.device)
+    mask = (key_pos[None, :] < lens[:, None]).view(len(lens), 1, 1, -1)
+    return DecodeGroup(index, tables[:, :num_blocks].reshape(-1).long(), mask)
+
+
+def paged_decode_attention_planned(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[DecodeGroup], scale: float
+) -> torch.Tensor:
+    """The torch decode path: paged_decode_attention_ref's math, one batched SDPA per group."""
+    if len(plan) == 1 and plan[0].seqs is None:
+        return _attend_group(q, k_cache, v_cache, plan[0], scale)
+    out = torch.empty_like(q)
+    for group in plan:
+        queries = q.index_select(0, group.seqs)
+        out.index_copy_(0, group.seqs, _attend_group(queries, k_cache, v_cache, group, scale))
+    return out
+
+
+def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup,
+                  scale: float) -> torch.Tensor:
+    num_seqs, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache.index_select(0, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_cache.index_select(0, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
+    )  # (n, Hq, 1, D)
     return out.squeeze(2)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,9 @@ class AttentionMetadata:
     max_context_len: int  # longest context length in this step
     query_lens_cpu: list[int]  # host copy of the query lengths: the CPU path never reads tensors
     context_lens_cpu: list[int]  # host copy of context_lens
+    # the torch path's decode plan (grouping, gather indices, masks): built by the first layer that
+    # needs it and reused by every other layer of the step, since they share this metadata
+    torch_decode_plan: list | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -15,7 +15,11 @@ import torch
 
 from kernels._triton import HAS_TRITON, interpreting
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.attention_decode import paged_decode_attention_ref, paged_decode_attention_triton
+from kernels.attention_decode import (
+    paged_decode_attention_planned,
+    paged_decode_attention_triton,
+    plan_decode_groups,
+)
 from kernels.attention_prefill import paged_prefill_attention_ref, paged_prefill_attention_triton
 from kernels.kv_cache import store_kv_cache_ref, store_kv_cache_triton
 from kernels.metadata import AttentionMetadata, build_attention_metadata
@@ -153,8 +157,9 @@ def _decode_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     num_decodes: int, scale: float,
 ) -> torch.Tensor:
-    max_context_len = max(meta.context_lens_cpu[:num_decodes])
-    return paged_decode_attention_ref(
-        q, k_cache, v_cache, meta.block_tables[:num_decodes], meta.context_lens[:num_decodes],
-        max_context_len, scale,
-    )
+    if meta.torch_decode_plan is None:  # the first layer of the step plans for all of them
+        meta.torch_decode_plan = plan_decode_groups(
+            meta.context_lens_cpu[:num_decodes], meta.block_tables[:num_decodes],
+            meta.context_lens[:num_decodes], k_cache.shape[1],
+        )
+    return paged_decode_attention_planned(q, k_cache, v_cache, meta.torch_decode_plan, scale)

@@ -10,6 +10,9 @@ from kernels.testing import make_paged_inputs
 from tests.kernels import naive
 from tests.kernels.cases import ATTENTION_BATCHES, HEADS, TOLERANCES
 
+# decodes whose contexts differ enough that the torch path splits them into groups, then a chunk
+SPREAD_DECODES = ([1, 1, 1, 1, 1, 4], [300, 40, 1, 200, 35, 20])
+
 
 @pytest.fixture(autouse=True)
 def torch_backend():
@@ -94,9 +97,9 @@ def test_store_kv_cache_writes_slots_and_skips_minus_one(block_size):
 @pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", HEADS)
-@pytest.mark.parametrize("batch", list(ATTENTION_BATCHES))
+@pytest.mark.parametrize("batch", [*ATTENTION_BATCHES, "spread_decodes"])
 def test_paged_attention_matches_loop(batch, num_q_heads, num_kv_heads, block_size, dtype):
-    query_lens, context_lens = ATTENTION_BATCHES[batch]
+    query_lens, context_lens = SPREAD_DECODES if batch == "spread_decodes" else ATTENTION_BATCHES[batch]
     inputs = make_paged_inputs(query_lens, context_lens, num_q_heads, num_kv_heads, 64, block_size, dtype,
                                garbage=7.0)  # slots outside every context must not be read
     out = ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
@@ -105,3 +108,13 @@ def test_paged_attention_matches_loop(batch, num_q_heads, num_kv_heads, block_si
     atol, rtol = TOLERANCES[dtype]
     assert out.shape == inputs.q.shape and out.dtype == dtype
     torch.testing.assert_close(out.double(), want, atol=atol, rtol=rtol)
+
+
+def test_spread_decodes_are_planned_in_groups_once_per_step():
+    query_lens, context_lens = SPREAD_DECODES
+    inputs = make_paged_inputs(query_lens, context_lens, 9, 3, 64, 16)
+    ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
+    plan = inputs.meta.torch_decode_plan
+    assert [group.seqs.tolist() for group in plan] == [[0, 3], [1, 4, 2]]
+    ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
+    assert inputs.meta.torch_decode_plan is plan  # the next layer reuses it
