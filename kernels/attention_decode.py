@@ -123,10 +123,12 @@ def paged_decode_attention_triton(
     max_context_len: int,
     scale: float,
     partition_size: int = 512,
+    block_n: int = 32,
 ) -> torch.Tensor:
     """q (S, Hq, D) -> (S, Hq, D). Contexts longer than partition_size are split across programs
     (flash-decoding) so that small batches with long contexts still fill the GPU; a second, tiny
-    kernel merges the splits."""
+    kernel merges the splits. Tile sizes and warps are chosen from sm_90 register counts
+    (`python -m kernels.compile_check`), not yet from GPU timings."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     _check_attention_inputs(q, k_cache, v_cache, block_tables, partition_size)
@@ -144,8 +146,9 @@ def paged_decode_attention_triton(
         q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse,
         q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E, num_kv_heads,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=min(64, partition_size), PARTITION=partition_size,
+        BLOCK_SIZE=block_size, BLOCK_N=min(block_n, partition_size), PARTITION=partition_size,
         NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if head_dim <= 64 else 4,
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_seqs, num_q_heads)](

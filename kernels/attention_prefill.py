@@ -100,7 +100,8 @@ def paged_prefill_attention_triton(
     block_m: int = 64,
 ) -> torch.Tensor:
     """q (T, Hq, D) -> (T, Hq, D) for a varlen batch of chunks (decodes included) in one launch:
-    a (S, query tiles of the longest chunk, Hkv) grid; tiles past a shorter chunk exit at once."""
+    a (S, query tiles of the longest chunk, Hkv) grid; tiles past a shorter chunk exit at once.
+    Tile sizes and warps are chosen from sm_90 register counts, not yet from GPU timings."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     _check_attention_inputs(q, k_cache, v_cache, block_tables, 16)
@@ -116,6 +117,7 @@ def paged_prefill_attention_triton(
         q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E, num_kv_heads,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=64, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4 if head_dim <= 64 else 8,
     )
     return out
 

@@ -10,7 +10,11 @@ Run it without TRITON_INTERPRET.
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -23,6 +27,7 @@ from kernels.testing import make_paged_inputs
 KERNEL_MODULES = (rms_norm, activation, rotary, kv_cache, attention_decode, attention_prefill)
 # dynamic shared memory per block (bytes) of the architectures we target
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+LAUNCH_OPTIONS = ("num_warps", "num_stages")  # launch keywords that are compiler options, not arguments
 _SIG_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
                torch.int32: "i32", torch.int64: "i64"}
 
@@ -58,9 +63,11 @@ def _recording(calls: list):
             setattr(module, name, kernel)
 
 
-def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, object]]:
-    """Triton's (signature, constexprs) for one recorded launch: tensors become typed pointers."""
+def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[str, object], dict]:
+    """Triton's (signature, constexprs, options) for one recorded launch: tensors become typed
+    pointers, keyword arguments constexprs, except the launch options (num_warps, ...)."""
     sig, constexprs = {}, {}
+    options = {name: kwargs.pop(name) for name in LAUNCH_OPTIONS if name in kwargs}
     for name, value in zip(kernel.arg_names, args, strict=False):
         if isinstance(value, torch.Tensor):
             sig[name] = "*" + _SIG_DTYPES[value.dtype]
@@ -70,15 +77,20 @@ def signature(kernel, args: tuple, kwargs: dict) -> tuple[dict[str, str], dict[s
             sig[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
     for name, value in kwargs.items():
         sig[name], constexprs[name] = "constexpr", value
-    return sig, constexprs
+    return sig, constexprs, options
 
 
-def example_launches(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
-    """One small call of every launcher (and both decode paths) in `dtype`."""
+# (query heads, KV heads, head dim) of the attention shapes built: SmolLM2-135M and Llama-3-8B
+HEAD_SHAPES = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
+
+
+def example_launches(dtype: torch.dtype, heads: str) -> dict[str, Callable[[], object]]:
+    """One small call of every launcher (and both decode paths) in `dtype`, attention shaped `heads`."""
+    num_q_heads, num_kv_heads, head_dim = HEAD_SHAPES[heads]
     x, w = torch.randn(4, 576, dtype=dtype), torch.randn(576, dtype=dtype)
-    paged = make_paged_inputs([1, 1, 7], [20, 700, 7], 9, 3, 64, 16, dtype)
+    paged = make_paged_inputs([1, 1, 7], [20, 700, 7], num_q_heads, num_kv_heads, head_dim, 16, dtype)
     meta, q = paged.meta, paged.q
-    cache = rotary.make_cos_sin_cache(64, 1024, 10000.0, dtype, "cpu")
+    cache = rotary.make_cos_sin_cache(head_dim, 1024, 10000.0, dtype, "cpu")
     positions = torch.arange(q.shape[0])
     decode_args = (q[:2], paged.k_cache, paged.v_cache, meta.block_tables[:2], meta.context_lens[:2])
     return {
@@ -98,30 +110,52 @@ def example_launches(dtype: torch.dtype) -> dict[str, Callable[[], object]]:
     }
 
 
-def compile_all(arch: int, dtypes: list[torch.dtype]) -> list[str]:
-    """Compile every kernel launch for sm_<arch>; returns one line per kernel, 'FAIL' in failures."""
-    import triton
+def compile_all(arch: int, dtypes: list[torch.dtype], heads: list[str]) -> list[str]:
+    """Compile every kernel launch for sm_<arch>; one line per build, 'FAIL' on failures."""
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     target, lines = GPUTarget("cuda", arch, 32), []
     for dtype in dtypes:
-        for op, launch in example_launches(dtype).items():
-            for kernel, args, kwargs in record_launches(launch):
-                sig, constexprs = signature(kernel, args, kwargs)
-                start = time.perf_counter()
-                try:
-                    compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=target)
-                except Exception as exc:  # report every failure, not just the first
-                    lines.append(f"FAIL sm_{arch} {dtype} {op} {kernel.__name__}: {type(exc).__name__}: "
-                                 f"{exc}")
-                    continue
-                shared = compiled.metadata.shared
-                ok = "ok  " if shared <= MAX_SHARED.get(arch, 101376) else "FAIL"
-                lines.append(f"{ok} sm_{arch} {str(dtype):15} {op:24} {kernel.__name__:28} "
-                             f"shared={shared:6d}B warps={compiled.metadata.num_warps} "
-                             f"{time.perf_counter() - start:5.1f}s")
-    return lines
+        for shape in heads:
+            for op, launch in example_launches(dtype, shape).items():
+                if shape != heads[0] and "attention" not in op:
+                    continue  # only attention depends on the head shape
+                for kernel, args, kwargs in record_launches(launch):
+                    lines.append(f"sm_{arch} {str(dtype):15} {shape:8} {op:24} {kernel.__name__:24} "
+                                 + _build(kernel, args, kwargs, target))
+    return [("FAIL " if "FAIL" in line else "ok   ") + line for line in lines]
+
+
+def _build(kernel, args: tuple, kwargs: dict, target) -> str:
+    """Compile one launch; its resources (shared memory, warps, registers, spills) or FAIL: why."""
+    import triton
+    from triton.compiler import ASTSource
+
+    sig, constexprs, options = signature(kernel, args, dict(kwargs))
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(ASTSource(kernel, sig, constexprs), target=target, options=options)
+    except Exception as exc:  # report every failure, not just the first
+        return f"FAIL {type(exc).__name__}: {exc}"
+    shared, limit = compiled.metadata.shared, MAX_SHARED.get(target.arch, 101376)
+    verdict = f" FAIL: over the {limit} B of shared memory" if shared > limit else ""
+    return (f"shared={shared:6d}B warps={compiled.metadata.num_warps} {_registers(compiled.asm['cubin'])} "
+            f"{time.perf_counter() - start:5.1f}s{verdict}")
+
+
+def _registers(cubin: bytes) -> str:
+    """'regs=N spill=B' from cuobjdump (shipped with Triton), or '' where it is missing."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+).*LOCAL:(\d+)", usage)
+    return f"regs={found[1]:>3} spill={found[2]}B" if found else ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="CUDA compute capabilities, e.g. 80 90")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16", "float32"],
                         choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--heads", nargs="+", default=list(HEAD_SHAPES), choices=list(HEAD_SHAPES),
+                        help="attention head shapes to build")
     args = parser.parse_args(argv)
     from kernels._triton import interpreting
 
@@ -137,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print("compile_check: unset TRITON_INTERPRET; the interpreter compiles nothing", file=sys.stderr)
         return 2
     dtypes = [getattr(torch, name) for name in args.dtypes]
-    lines = [line for arch in args.arch for line in compile_all(arch, dtypes)]
+    lines = [line for arch in args.arch for line in compile_all(arch, dtypes, args.heads)]
     print("\n".join(lines))
     failed = sum(line.startswith("FAIL") for line in lines)
     print(f"{len(lines) - failed} kernel builds ok, {failed} failed")
