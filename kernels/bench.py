@@ -176,7 +176,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
     if device.type == "cuda":
         import triton
 
-        return float(triton.testing.do_bench(fn, warmup=10, rep=max(reps, 25)))
+        return float(triton.testing.do_bench(fn, warmup=10, rep=max(reps, 25), return_mode="median"))
     fn()
     samples = []
     for _ in range(reps):

@@ -51,14 +51,22 @@ def test_triton_on_cpu_without_the_interpreter_says_how_to_fix_it(monkeypatch):
 
 
 def _layer_step(inputs, positions, cache):
-    """What the model does per layer: rotate q/k, store k/v, attend, then norm and MLP gate."""
-    q, k = ops.rotary_embedding(positions, inputs.q.clone(), inputs.key.clone(), cache)
+    """What the model does per layer, on views into one fused qkv projection as the model has them:
+    rotate q/k, store k/v, attend, then the norms and the MLP gate."""
+    num_tokens, num_q_heads, head_dim = inputs.q.shape
+    num_kv_heads = inputs.key.shape[1]
+    qkv = torch.cat([inputs.q.flatten(1), inputs.key.flatten(1), inputs.value.flatten(1)], dim=1)
+    q, k, v = qkv.split([num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    q = q.view(num_tokens, num_q_heads, head_dim)  # strided views, as in engine/model.py
+    k, v = k.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim)
+    q, k = ops.rotary_embedding(positions, q, k, cache)
     k_cache, v_cache = torch.zeros_like(inputs.k_cache), torch.zeros_like(inputs.v_cache)
-    ops.store_kv_cache(k, inputs.value, k_cache, v_cache, inputs.meta.slot_mapping)
+    ops.store_kv_cache(k, v, k_cache, v_cache, inputs.meta.slot_mapping)
     attn = ops.paged_attention(q, k_cache, v_cache, inputs.meta, inputs.scale)  # (T, Hq, D)
     hidden = attn.flatten(1)
     normed, residual = ops.fused_add_rms_norm(hidden, hidden.flip(0), torch.ones(hidden.shape[1]), 1e-6)
-    return ops.silu_and_mul(ops.rms_norm(normed, torch.full((normed.shape[1],), 0.5), 1e-6)), residual
+    gated = ops.silu_and_mul(ops.rms_norm(normed, torch.full((normed.shape[1],), 0.5), 1e-6))
+    return gated, residual, k_cache, qkv  # qkv: q and k rotated in place, v untouched
 
 
 @pytest.mark.parametrize("batch", ["decodes", "mixed"])
