@@ -56,43 +56,54 @@ SELECT * FROM outputs WHERE job_id = $job_id ORDER BY TRY_CAST(request_id AS BIG
 
 # ---------------------------------------------------------------- engine iterations of a job
 
-# The extent of the iterations that served the job (t1 = end of the last step)
-JOB_ITERATION_EXTENT = """
-SELECT count(*) AS num_iterations, count(DISTINCT worker_id) AS num_workers,
-       min(ts) AS t0, max(ts + duration_s) AS t1
-FROM iterations WHERE list_contains(job_ids, $job_id)
-"""
-
-# One row per iteration (used while the series is short and comes from one worker)
-JOB_ITERATIONS_RAW = """
-SELECT ts, 1 AS iterations, num_running, num_waiting, num_scheduled_seqs, prefill_tokens, decode_tokens,
-       scheduled_tokens, token_budget, max_num_seqs, kv_blocks_used, kv_blocks_total, num_preempted
-FROM iterations WHERE list_contains(job_ids, $job_id) ORDER BY ts, worker_id
-"""
-
-# Time buckets of width $w from $t0: each worker's mean per iteration in the bucket, summed over the
-# workers (so running sequences and KV blocks add up across the fleet); preemptions are counted.
-JOB_ITERATIONS_BUCKETED = """
-WITH per_worker AS (
-    SELECT floor((ts - $t0) / $w)::BIGINT AS bucket, worker_id, count(*) AS iterations,
+# The engine iterations that served the job, in one scan: one row per iteration while there are at
+# most $max_points of them from one worker; otherwise time buckets of width `bucket_s` (span /
+# $max_points), each worker's mean per iteration in the bucket, summed over the workers (so running
+# sequences and KV blocks add up across the fleet). Preemptions are counted, not averaged. Every row
+# repeats the extent (num_iterations, num_workers, downsampled, bucket_s); the caller takes it once.
+JOB_ITERATIONS = """
+WITH it AS MATERIALIZED (
+    SELECT ts, duration_s, worker_id, num_running, num_waiting, num_scheduled_seqs, prefill_tokens,
+           decode_tokens, scheduled_tokens, token_budget, max_num_seqs, kv_blocks_used, kv_blocks_total,
+           num_preempted
+    FROM iterations WHERE list_contains(job_ids, $job_id)
+), extent AS (
+    SELECT count(*) AS num_iterations, count(DISTINCT worker_id) AS num_workers, min(ts) AS t0,
+           NOT (count(*) <= $max_points AND count(DISTINCT worker_id) = 1) AS downsampled,
+           greatest(max(ts + duration_s) - min(ts), 1e-6) * (1 + 1e-9) / $max_points AS bucket_s
+    FROM it
+), bucketed AS (
+    SELECT CASE WHEN e.downsampled THEN floor((it.ts - e.t0) / e.bucket_s)::BIGINT
+                ELSE row_number() OVER (ORDER BY it.ts) END AS bucket,
+           it.*, e.*
+    FROM it, extent AS e
+), per_worker AS (
+    SELECT bucket, worker_id, min(ts) AS first_ts, count(*) AS iterations,
+           any_value(num_iterations) AS num_iterations, any_value(num_workers) AS num_workers,
+           any_value(downsampled) AS downsampled, any_value(bucket_s) AS bucket_s, any_value(t0) AS t0,
            avg(num_running) AS num_running, avg(num_waiting) AS num_waiting,
            avg(num_scheduled_seqs) AS num_scheduled_seqs, avg(prefill_tokens) AS prefill_tokens,
            avg(decode_tokens) AS decode_tokens, avg(scheduled_tokens) AS scheduled_tokens,
            avg(token_budget) AS token_budget, avg(max_num_seqs) AS max_num_seqs,
            avg(kv_blocks_used) AS kv_blocks_used, avg(kv_blocks_total) AS kv_blocks_total,
            sum(num_preempted) AS num_preempted
-    FROM iterations WHERE list_contains(job_ids, $job_id)
-    GROUP BY ALL
+    FROM bucketed GROUP BY bucket, worker_id
 )
-SELECT $t0 + bucket * $w AS ts, sum(iterations) AS iterations,
+SELECT CASE WHEN any_value(downsampled) THEN any_value(t0) + bucket * any_value(bucket_s)
+            ELSE min(first_ts) END AS ts,
+       sum(iterations) AS iterations,
        sum(num_running) AS num_running, sum(num_waiting) AS num_waiting,
        sum(num_scheduled_seqs) AS num_scheduled_seqs, sum(prefill_tokens) AS prefill_tokens,
        sum(decode_tokens) AS decode_tokens, sum(scheduled_tokens) AS scheduled_tokens,
        sum(token_budget) AS token_budget, sum(max_num_seqs) AS max_num_seqs,
        sum(kv_blocks_used) AS kv_blocks_used, sum(kv_blocks_total) AS kv_blocks_total,
-       sum(num_preempted) AS num_preempted
+       sum(num_preempted) AS num_preempted,
+       any_value(num_iterations) AS num_iterations, any_value(num_workers) AS num_workers,
+       any_value(downsampled) AS downsampled, any_value(bucket_s) AS bucket_s
 FROM per_worker GROUP BY bucket ORDER BY bucket
 """
+# the columns of JOB_ITERATIONS that describe the whole series, not a point
+ITERATION_EXTENT_COLUMNS = ("num_iterations", "num_workers", "downsampled", "bucket_s")
 
 # Request concurrency of the job at each time in $points: requests that have arrived at an engine
 # and not finished (waiting or running there) -- not the same thing as running sequences.
@@ -109,28 +120,26 @@ GROUP BY pts.i, pts.t ORDER BY pts.i
 
 # ---------------------------------------------------------------- output tokens of a job over time
 
-JOB_OUTPUT_EXTENT = """
-SELECT count(*) AS num_requests, min(first_token_ts) AS t0, max(greatest(finished_ts, first_token_ts)) AS t1,
-       coalesce(sum(output_tokens), 0) AS output_tokens
-FROM requests_live WHERE job_id = $job_id AND first_token_ts > 0 AND output_tokens > 0
-"""
-
-# Output tokens/s of the job in $n buckets of width $w from $t0. A request's first token counts at
-# first_token_ts, its other output_tokens - 1 spread evenly over (first_token_ts, finished_ts]; so the
-# buckets add up exactly to the job's output tokens.
+# Output tokens/s of the job in $n equal buckets spanning its first to its last output token. A
+# request's first token counts at first_token_ts, its other output_tokens - 1 spread evenly over
+# (first_token_ts, finished_ts]; so rate * bucket_s adds up exactly to the job's output tokens.
 JOB_OUTPUT_RATE = """
-WITH r AS (
+WITH r AS MATERIALIZED (
     SELECT first_token_ts AS t0, greatest(finished_ts, first_token_ts) AS t1, output_tokens AS n
     FROM requests_live WHERE job_id = $job_id AND first_token_ts > 0 AND output_tokens > 0
+), e AS (
+    SELECT min(t0) AS start, greatest(max(t1) - min(t0), 1e-6) * (1 + 1e-9) / $n AS w, sum(n) AS total
+    FROM r HAVING count(*) > 0
 ), b AS (
-    SELECT i, $t0 + i * $w AS lo, $t0 + (i + 1) * $w AS hi FROM range($n) AS t(i)
+    SELECT i, start + i * w AS lo, start + (i + 1) * w AS hi, w, total FROM e, range($n) AS t(i)
 )
 SELECT b.lo AS ts, coalesce(sum(
         CASE WHEN r.t0 >= b.lo AND r.t0 < b.hi THEN 1 ELSE 0 END
       + CASE WHEN r.t1 > r.t0
              THEN (r.n - 1) * greatest(least(b.hi, r.t1) - greatest(b.lo, r.t0), 0) / (r.t1 - r.t0)
              WHEN r.t0 >= b.lo AND r.t0 < b.hi THEN r.n - 1
-             ELSE 0 END), 0) / $w AS output_tokens_per_s
+             ELSE 0 END), 0) / any_value(b.w) AS output_tokens_per_s,
+       any_value(b.w) AS bucket_s, any_value(b.total)::BIGINT AS output_tokens
 FROM b LEFT JOIN r ON r.t0 < b.hi AND r.t1 >= b.lo
 GROUP BY b.i, b.lo ORDER BY b.i
 """
@@ -145,29 +154,33 @@ LATENCY_METRICS: dict[str, tuple[str, str]] = {
     "queue_s": ("queue_s", "scheduled_ts > 0"),
 }
 
-_LATENCY_SUMMARY = """
-SELECT count(*) AS count, avg({column}) AS mean, min({column}) AS min, max({column}) AS max,
-       quantile_cont({column}, 0.5) AS p50, quantile_cont({column}, 0.9) AS p90,
-       quantile_cont({column}, 0.99) AS p99
-FROM requests_live WHERE job_id = $job_id AND {where}
+_METRIC_VALUES = "\n    UNION ALL ".join(
+    f"SELECT '{metric}' AS metric, {column} AS v FROM r WHERE {where}"
+    for metric, (column, where) in LATENCY_METRICS.items()
+)
+
+# Per metric: count, mean, min, max, p50 / p90 / p99, and a histogram of $bins equal bins from min
+# to max (bin i covers [min + i * width, min + (i + 1) * width), width = max(max - min, 1e-9) / $bins;
+# the maximum falls in the last bin). `bins` lists the non-empty bins, `counts` their requests.
+JOB_LATENCY = f"""
+WITH r AS MATERIALIZED (
+    SELECT ttft_s, tpot_s, e2e_s, queue_s, first_token_ts, scheduled_ts, finished_ts, output_tokens
+    FROM requests_live WHERE job_id = $job_id
+), x AS (
+    {_METRIC_VALUES}
+), s AS (
+    SELECT metric, count(*) AS count, avg(v) AS mean, min(v) AS min, max(v) AS max,
+           quantile_cont(v, 0.5) AS p50, quantile_cont(v, 0.9) AS p90, quantile_cont(v, 0.99) AS p99,
+           greatest(max(v) - min(v), 1e-9) / $bins AS width
+    FROM x GROUP BY metric
+), h AS (
+    SELECT x.metric, least(floor((x.v - s.min) / s.width)::BIGINT, $bins - 1) AS bin, count(*) AS n
+    FROM x JOIN s USING (metric) GROUP BY ALL
+), hist AS (
+    SELECT metric, list(bin ORDER BY bin) AS bins, list(n ORDER BY bin) AS counts FROM h GROUP BY metric
+)
+SELECT s.*, hist.bins, hist.counts FROM s LEFT JOIN hist USING (metric)
 """
-
-_LATENCY_HISTOGRAM = """
-WITH x AS (SELECT {column} AS v FROM requests_live WHERE job_id = $job_id AND {where})
-SELECT least(floor((v - $lo) / $width)::BIGINT, $bins - 1) AS bin, count(*) AS count
-FROM x GROUP BY bin ORDER BY bin
-"""
-
-
-def latency_summary_sql(metric: str) -> str:
-    column, where = LATENCY_METRICS[metric]
-    return _LATENCY_SUMMARY.format(column=column, where=where)
-
-
-def latency_histogram_sql(metric: str) -> str:
-    column, where = LATENCY_METRICS[metric]
-    return _LATENCY_HISTOGRAM.format(column=column, where=where)
-
 
 JOB_PREEMPTIONS = """
 SELECT coalesce(sum(num_preemptions), 0)::BIGINT AS request_preemptions,

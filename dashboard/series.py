@@ -10,7 +10,7 @@ from __future__ import annotations
 from flask import current_app
 
 from dashboard import queries
-from dashboard.db import fetch_columns, fetch_one
+from dashboard.db import fetch_columns, fetch_dicts
 
 OUTPUT_RATE_BUCKETS = 120  # buckets of the output tokens/s chart
 HISTOGRAM_BINS = 30  # bins of a latency histogram
@@ -22,20 +22,16 @@ def job_iterations(job_id: str) -> dict:
     Also `outstanding_requests`: the job's requests that had arrived at an engine and not finished,
     at each point -- request concurrency, drawn against running sequences.
     """
-    extent = fetch_one(queries.JOB_ITERATION_EXTENT, {"job_id": job_id}) or {}
-    n = extent.get("num_iterations") or 0
-    out = {"job_id": job_id, "num_iterations": n, "num_workers": extent.get("num_workers") or 0,
-           "downsampled": False, "bucket_s": None, "series": {}}
-    if n == 0:
+    params = {"job_id": job_id, "max_points": current_app.config["MAX_POINTS"]}
+    series = fetch_columns(queries.JOB_ITERATIONS, params)
+    extent = {name: series.pop(name, []) for name in queries.ITERATION_EXTENT_COLUMNS}
+    out = {"job_id": job_id, "num_iterations": 0, "num_workers": 0, "downsampled": False, "bucket_s": None,
+           "series": {}}
+    if not series.get("ts"):
         return out
-    max_points = current_app.config["MAX_POINTS"]
-    if n <= max_points and out["num_workers"] == 1:
-        series = fetch_columns(queries.JOB_ITERATIONS_RAW, {"job_id": job_id})
-    else:
-        width = _bucket_width(extent["t0"], extent["t1"], max_points)
-        params = {"job_id": job_id, "t0": extent["t0"], "w": width}
-        series = fetch_columns(queries.JOB_ITERATIONS_BUCKETED, params)
-        out.update(downsampled=True, bucket_s=width)
+    out.update({name: values[0] for name, values in extent.items()})
+    if not out["downsampled"]:
+        out["bucket_s"] = None
     series["outstanding_requests"] = outstanding_at(job_id, series["ts"])
     out["series"] = series
     return out
@@ -48,43 +44,31 @@ def outstanding_at(job_id: str, points: list[float]) -> list[int]:
     return cols["outstanding_requests"]
 
 
-def _bucket_width(t0: float, t1: float, max_points: int) -> float:
-    """Bucket width so that [t0, t1] falls in at most max_points buckets (t1 included)."""
-    span = max(t1 - t0, 1e-6)
-    return span * (1 + 1e-9) / max_points
-
-
 def job_output_rate(job_id: str) -> dict:
     """Output tokens/s of the job over time (see `queries.JOB_OUTPUT_RATE`)."""
-    extent = fetch_one(queries.JOB_OUTPUT_EXTENT, {"job_id": job_id}) or {}
-    out = {"job_id": job_id, "output_tokens": int(extent.get("output_tokens") or 0), "bucket_s": None,
-           "series": {"ts": [], "output_tokens_per_s": []}}
-    if not extent.get("num_requests"):
-        return out
-    n = OUTPUT_RATE_BUCKETS
-    width = _bucket_width(extent["t0"], extent["t1"], n)
-    params = {"job_id": job_id, "t0": extent["t0"], "w": width, "n": n}
-    out["series"] = fetch_columns(queries.JOB_OUTPUT_RATE, params)
-    out["bucket_s"] = width
-    return out
+    series = fetch_columns(queries.JOB_OUTPUT_RATE, {"job_id": job_id, "n": OUTPUT_RATE_BUCKETS})
+    bucket_s, total = series.pop("bucket_s", []), series.pop("output_tokens", [])
+    return {"job_id": job_id, "output_tokens": total[0] if total else 0,
+            "bucket_s": bucket_s[0] if bucket_s else None,
+            "series": series or {"ts": [], "output_tokens_per_s": []}}
 
 
 def job_latency(job_id: str) -> dict:
     """TTFT, ITL, end-to-end and queue time of the job's requests: percentiles and a histogram each."""
-    return {metric: latency_distribution(job_id, metric) for metric in queries.LATENCY_METRICS}
+    params = {"job_id": job_id, "bins": HISTOGRAM_BINS}
+    rows = {r["metric"]: r for r in fetch_dicts(queries.JOB_LATENCY, params)}
+    return {metric: _distribution(rows.get(metric)) for metric in queries.LATENCY_METRICS}
 
 
-def latency_distribution(job_id: str, metric: str) -> dict:
-    summary = fetch_one(queries.latency_summary_sql(metric), {"job_id": job_id}) or {"count": 0}
-    out = {**summary, "histogram": {"lo": [], "count": []}}
-    if not summary["count"]:
-        return out
-    lo, hi = summary["min"], summary["max"]
-    width = max(hi - lo, 1e-9) / HISTOGRAM_BINS
-    params = {"job_id": job_id, "lo": lo, "width": width, "bins": HISTOGRAM_BINS}
+def _distribution(row: dict | None) -> dict:
+    """One metric's summary, with its histogram as every bin's lower edge and count."""
+    if row is None:
+        return {"count": 0, "mean": None, "min": None, "max": None, "p50": None, "p90": None, "p99": None,
+                "histogram": {"lo": [], "count": [], "width": None}}
     counts = [0] * HISTOGRAM_BINS
-    for b, c in zip(*fetch_columns(queries.latency_histogram_sql(metric), params).values(), strict=True):
-        counts[b] = c
-    out["histogram"] = {"lo": [lo + i * width for i in range(HISTOGRAM_BINS)], "count": counts,
-                        "width": width}
-    return out
+    for b, n in zip(row.pop("bins"), row.pop("counts"), strict=True):
+        counts[b] = n
+    width = row.pop("width")
+    row.pop("metric")
+    lo = [row["min"] + i * width for i in range(HISTOGRAM_BINS)]
+    return {**row, "histogram": {"lo": lo, "count": counts, "width": width}}

@@ -77,11 +77,17 @@ def api_sql_csv():
                     headers={"Content-Disposition": "attachment; filename=query.csv"})
 
 
+def user_connection() -> duckdb.DuckDBPyConnection:
+    """A fresh connection hardened for user SQL (file access, extensions, memory, config locked)."""
+    cfg = current_app.config
+    return connect(cfg["DATA_DIR"], read_only_user_sql=True, memory_limit=cfg["SQL_MEMORY_LIMIT"])
+
+
 def run_user_sql(sql: str) -> QueryResult:
     """Run SQL a user typed on a fresh hardened connection; RefusedQuery says why it did not."""
     cfg = current_app.config
     try:
-        con = connect(cfg["DATA_DIR"], read_only_user_sql=True, memory_limit=cfg["SQL_MEMORY_LIMIT"])
+        con = user_connection()
     except StoreError as exc:
         raise RefusedQuery(str(exc)) from exc
     try:

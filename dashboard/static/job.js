@@ -6,7 +6,9 @@
   const { chart, chartError, colors, alpha, fmt, axisStyle, markersPlugin } = bg;
   const $ = (id) => document.getElementById(id);
 
-  const timeX = { x: { time: true } };
+  // every quantity drawn is >= 0: start the y axis at 0 so heights compare
+  const fromZero = { range: (u, lo, hi) => [0, hi > 0 ? hi * 1.08 : 1] };
+  const timeX = { x: { time: true }, y: fromZero };
   const xAxis = { ...axisStyle };
   const yAxis = (label, extra = {}) => ({ ...axisStyle, label, labelSize: 18, size: 56, values: (u, v) => v.map(fmt.compact), ...extra });
   // engine values hold from one iteration to the next: draw them as steps
@@ -77,7 +79,7 @@
     ];
     const pad = (h.width || 0) * 0.6;
     chart($(`chart-${metric}`), {
-      scales: { x: { time: false, range: (u, lo, hi) => [lo - pad, hi + pad] } },
+      scales: { x: { time: false, range: (u, lo, hi) => [lo - pad, hi + pad] }, y: fromZero },
       series: [{ value: (u, v) => fmt.duration(v) },
         { label: "requests", stroke: colors.blue, fill: alpha(colors.blue, 0.45), width: 1,
           paths: uPlot.paths.bars({ size: [0.92, Infinity], align: 0 }), points: { show: false } }],

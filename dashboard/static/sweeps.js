@@ -15,7 +15,7 @@
     const x = configs.map((c) => c.output_tokens_per_s);
     const pts = (color) => ({ show: true, size: 7, stroke: color, fill: color });
     chart(container, {
-      scales: { x: { time: false } },
+      scales: { x: { time: false }, y: { range: (u, lo, hi) => [0, hi > 0 ? hi * 1.1 : 1] } },
       series: [{ label: "output tok/s", value: (u, v) => fmt.rate(v) },
         { label: "p50", stroke: colors.blue, width: 1.5, points: pts(colors.blue), value: (u, v) => fmt.duration(v) },
         { label: "p99", stroke: colors.red, width: 1.5, points: pts(colors.red), value: (u, v) => fmt.duration(v) }],

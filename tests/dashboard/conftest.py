@@ -1,7 +1,8 @@
 """Fixtures of the dashboard tests (as in Flask's flaskr tutorial: `app` and `client`).
 
 `job_data_dir` is built once per session by a real small job on the tiny random model. `app` and
-`client` serve it; `empty_app` serves a data dir with nothing in it.
+`client` serve it; `empty_app` serves a data dir with nothing in it; `big_data_dir` holds a
+synthetic job of 100k iterations (downsampling, the charts' speed) and a sweep.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 from dashboard import create_app
 from jobs.store.catalog import connect
 from jobs.store.usersql import run_user_query
-from tests.dashboard import engine_fill
+from tests.dashboard import engine_fill, synthetic
 
 JOB_ID = "job-engine"
 
@@ -24,6 +25,14 @@ def job_data_dir(tmp_path_factory) -> Path:
     """A data dir holding one finished job: 16 prompts (one empty: an error row) in 2 shards."""
     data_dir = tmp_path_factory.mktemp("dashboard-data")
     engine_fill.fill(data_dir, job_id=JOB_ID, num_rows=16, num_shards=2)
+    return data_dir
+
+
+@pytest.fixture(scope="session")
+def big_data_dir(tmp_path_factory) -> Path:
+    """A data dir with a 100k-iteration job from two workers and one sweep (no model run)."""
+    data_dir = tmp_path_factory.mktemp("dashboard-big")
+    synthetic.fill(data_dir)
     return data_dir
 
 
