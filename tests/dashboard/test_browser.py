@@ -1,0 +1,206 @@
+"""The dashboard in a real browser: Debian's chromium driven by playwright, the app served on 127.0.0.1.
+
+Each page must draw its charts (a canvas with painted pixels and points behind it) with no console
+error. Screenshots go to the test's tmp dir. Skipped when /usr/bin/chromium is missing, unless CI is
+set (then that is a failure).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from werkzeug.serving import make_server
+
+from dashboard import create_app
+from jobs.store.parts import Store
+from jobs.store.schemas import JobRecord, ShardEvent
+from tests.dashboard import synthetic
+from tests.dashboard.conftest import JOB_ID
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = Path("/usr/bin/chromium")
+LAUNCH_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+]
+JOB_CHARTS = ["chart-throughput", "chart-concurrency", "chart-budget", "chart-kv",
+              "chart-ttft_s", "chart-itl_s", "chart-e2e_s"]
+
+# For each chart container: [id, points drawn, painted pixels of its canvas]
+CHART_STATE_JS = """(ids) => ids.map((id) => {
+    const box = document.getElementById(id);
+    const canvas = box && box.querySelector("canvas");
+    if (!canvas) return [id, 0, 0];
+    const data = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+    let painted = 0;
+    for (let i = 3; i < data.length; i += 4) if (data[i] !== 0) painted++;
+    return [id, Number(box.dataset.points), painted];
+})"""
+
+
+def require_chromium() -> None:
+    if CHROMIUM.exists():
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"{CHROMIUM} is missing and CI is set: install it (apt-get install -y chromium)")
+    pytest.skip(f"{CHROMIUM} is missing: `apt-get install -y chromium` to run the browser tests")
+
+
+@contextmanager
+def serve(app) -> Iterator[str]:
+    """The app on 127.0.0.1 (a free port) in a thread; yields its base URL."""
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    require_chromium()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=LAUNCH_ARGS)
+        yield browser
+        browser.close()
+
+
+class Page:
+    """A browser tab that records console errors, page errors and failed requests."""
+
+    def __init__(self, browser) -> None:
+        self.context = browser.new_context(viewport={"width": 1400, "height": 900})
+        self.tab = self.context.new_page()
+        self.problems: list[str] = []
+        self.tab.on("console", lambda m: self.problems.append(f"console {m.type}: {m.text}")
+                    if m.type == "error" else None)
+        self.tab.on("pageerror", lambda e: self.problems.append(f"page error: {e}"))
+        self.tab.on("requestfailed", lambda r: self.problems.append(f"request failed: {r.url} {r.failure}"))
+
+    def open(self, url: str) -> None:
+        response = self.tab.goto(url)
+        assert response is not None and response.status == 200, url
+
+    def charts(self, ids: list[str]) -> dict[str, tuple[int, int]]:
+        return {row[0]: (row[1], row[2]) for row in self.tab.evaluate(CHART_STATE_JS, ids)}
+
+    def assert_drawn(self, ids: list[str]) -> None:
+        for chart_id, (points, painted) in self.charts(ids).items():
+            assert points > 0, f"{chart_id}: no points"
+            assert painted > 500, f"{chart_id}: canvas is empty"
+
+    def screenshot(self, path: Path) -> None:
+        self.tab.screenshot(path=str(path), full_page=True)
+        assert path.stat().st_size > 10_000
+
+
+@pytest.fixture
+def page(browser):
+    tab = Page(browser)
+    yield tab
+    tab.context.close()
+
+
+def test_jobs_page_and_a_finished_job(page, job_data_dir, tmp_path):
+    app = create_app({"DATA_DIR": job_data_dir})
+    with serve(app) as base:
+        page.open(base + "/")
+        row = page.tab.locator(f'tr[data-job-id="{JOB_ID}"]')
+        assert row.locator(".badge").inner_text() == "completed"
+        assert row.locator(".progress-label").inner_text() == "16 / 16"
+        page.screenshot(tmp_path / "jobs.png")
+
+        row.locator("a").click()
+        page.tab.wait_for_selector('main[data-charts-ready="1"]')
+        assert page.tab.url == f"{base}/jobs/{JOB_ID}"
+        page.assert_drawn(JOB_CHARTS)
+        assert page.tab.locator("#shards-table tbody tr").count() == 2
+        assert page.tab.locator("#outputs-table tbody tr").count() == 16
+        page.screenshot(tmp_path / "job.png")
+    assert page.problems == []
+
+
+def test_workers_and_sql_pages(page, job_data_dir, tmp_path):
+    app = create_app({"DATA_DIR": job_data_dir})
+    with serve(app) as base:
+        page.open(base + "/workers")
+        assert page.tab.locator("#workers-table > tbody > tr").count() == 1
+        page.screenshot(tmp_path / "workers.png")
+
+        page.open(base + "/sql")
+        page.tab.fill("#sql-text", f"SELECT request_id, output_tokens FROM outputs WHERE job_id = '{JOB_ID}'")
+        page.tab.click("#sql-run")
+        page.tab.wait_for_selector("#sql-result:not([hidden]) tbody tr")
+        assert page.tab.locator("#sql-result tbody tr").count() == 16
+        assert "16 rows" in page.tab.inner_text("#sql-status")
+        page.screenshot(tmp_path / "sql.png")
+        assert page.problems == []
+
+        page.tab.fill("#sql-text", "COPY outputs TO '/tmp/stolen.csv'")
+        page.tab.click("#sql-run")
+        page.tab.wait_for_selector("#sql-error:not([hidden])")
+        assert "not COPY" in page.tab.inner_text("#sql-error")
+    # the refused query's 400 is the only thing the console reports
+    assert len(page.problems) == 1 and "400" in page.problems[0], page.problems
+
+
+def test_big_job_and_sweeps_draw_fast(page, big_data_dir, tmp_path):
+    app = create_app({"DATA_DIR": big_data_dir})
+    with serve(app) as base:
+        start = time.perf_counter()
+        page.open(f"{base}/jobs/{synthetic.JOB_ID}")
+        page.tab.wait_for_selector('main[data-charts-ready="1"]', timeout=30_000)
+        elapsed = time.perf_counter() - start
+        page.assert_drawn(JOB_CHARTS)
+        points = page.charts(["chart-concurrency"])["chart-concurrency"][0]
+        assert 100 < points <= app.config["MAX_POINTS"]  # 100k iterations, bucketed on the server
+        assert elapsed < 20, f"job page with 100k iterations took {elapsed:.1f} s to draw"
+        page.screenshot(tmp_path / "big-job.png")
+
+        page.open(base + "/sweeps")
+        section = page.tab.locator(f'section[data-sweep-id="{synthetic.SWEEP_ID}"]')
+        assert section.locator(".sweep-ttft canvas").count() == 1
+        painted = page.tab.evaluate("""() => [...document.querySelectorAll('.sweep .chart')].map((box) => {
+            const c = box.querySelector('canvas');
+            const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+            let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i]) n++;
+            return [Number(box.dataset.points), n];
+        })""")
+        assert len(painted) == 2 and all(points == 5 and pixels > 500 for points, pixels in painted)
+        page.screenshot(tmp_path / "sweeps.png")
+    assert page.problems == []
+
+
+def test_live_job_refreshes_itself(page, tmp_path):
+    """A running job's row and page move on their own when a shard commits."""
+    store = Store(tmp_path / "data")
+    store.record_job(JobRecord("live-job", "tiny-random", 8, 2, time.time()))
+    store.record_shard_events([ShardEvent("live-job", s, "queued", time.time()) for s in range(2)])
+    attempt = store.begin_attempt("live-job", 0, 1, "w-live", num_requests=4)
+    app = create_app({"DATA_DIR": tmp_path / "data", "REFRESH_S": 1})
+    with serve(app) as base:
+        page.open(base + "/")
+        label = page.tab.locator('tr[data-job-id="live-job"] .progress-label')
+        assert label.inner_text() == "0 / 8"
+        assert "refreshing" in page.tab.inner_text("#refresh-note")
+        attempt.add_outputs([{"request_id": str(i), "output_text": "x", "finish_reason": "stop",
+                              "prompt_tokens": 3, "output_tokens": 2, "error": None} for i in range(4)])
+        attempt.commit()
+        label_js = "document.querySelector('tr[data-job-id=\"live-job\"] .progress-label').textContent"
+        page.tab.wait_for_function(f"() => {label_js} === '4 / 8'", timeout=10_000)
+        page.screenshot(tmp_path / "live-jobs.png")
+    assert page.problems == []
