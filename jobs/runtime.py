@@ -203,7 +203,8 @@ class WorkerRuntime:
     """One engine, its loop, its telemetry, and the housekeeping of the shards it holds."""
 
     def __init__(self, config: EngineConfig, worker_id: str, data_dir: str | Path, *,
-                 janitor: Callable[[], None] | None = None, janitor_interval_s: float | None = None) -> None:
+                 janitor: Callable[[], None] | None = None, janitor_interval_s: float | None = None,
+                 on_fatal: Callable[[], None] | None = None) -> None:
         self.config = config
         self.worker_id = worker_id
         self.store = Store(data_dir)
@@ -213,6 +214,7 @@ class WorkerRuntime:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._janitor = janitor
+        self._on_fatal = on_fatal  # called once if the engine loop dies (the worker process stops)
         ttl = lease_ttl_s()
         self._tick_s = min(ttl * HEARTBEAT_FRACTION, 1.0)
         self._janitor_interval_s = janitor_interval_s or ttl / 2
@@ -268,6 +270,9 @@ class WorkerRuntime:
     def _housekeeping(self) -> None:
         last_janitor = time.monotonic()
         while not self._stop.wait(self._tick_s):
+            if not self.loop.alive:
+                self._give_up()
+                return
             with self._lock:
                 held = list(self._held.values())
             for h in held:
@@ -275,6 +280,12 @@ class WorkerRuntime:
             if self._janitor is not None and time.monotonic() - last_janitor >= self._janitor_interval_s:
                 last_janitor = time.monotonic()
                 self._run_janitor()
+
+    def _give_up(self) -> None:
+        """The engine loop died (an engine could not be rebuilt): stop taking shards."""
+        log.error("worker %s: the engine loop died; shutting the worker down", self.worker_id)
+        if self._on_fatal is not None:
+            self._on_fatal()
 
     def _tend(self, h: _Held) -> None:
         try:

@@ -10,6 +10,8 @@ go stale and the shards are re-queued (nothing is lost, the attempt is redone).
 from __future__ import annotations
 
 import logging
+import os
+import signal
 
 from engine.config import EngineConfig
 from jobs.broker import BrokerSettings
@@ -27,7 +29,8 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
     app = make_app(settings)
     try:
         runtime = WorkerRuntime(config, worker_id, data_dir,
-                                janitor=lambda: requeue_dead_shards(data_dir, settings)).start()
+                                janitor=lambda: requeue_dead_shards(data_dir, settings),
+                                on_fatal=lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
     except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot be found or loaded
         log.error("worker %s cannot start its engine: %s", worker_id, exc)
         return 1

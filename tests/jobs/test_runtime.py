@@ -1,0 +1,147 @@
+"""The worker runtime in-process: process_shard (the plain function the Celery task wraps) over one
+long-lived engine; idempotence, cancellation, retries, engine failures. No broker involved."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from jobs.broker import resolve_broker
+from jobs.manifest import JobPaths
+from jobs.runtime import EngineRequest, ShardRun, WorkerRuntime
+from jobs.shard_runner import ShardTask, backoff_s, process_shard
+from jobs.submit import JobRequest, prepare_job
+from tests.jobs.helpers import MODEL, one_torch_thread, outputs_of, query, shards_of, wait_for, write_prompts
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("runtime") / "data"
+
+
+@pytest.fixture(scope="module")
+def runtime(data_dir):
+    with one_torch_thread():
+        rt = WorkerRuntime(EngineConfig(model=MODEL, max_num_seqs=4), "w-inproc", data_dir).start()
+        yield rt
+        rt.stop()
+
+
+def _job(data_dir, tmp_path, n, shard_size, **kw):
+    src = tmp_path / f"in{n}.parquet"
+    texts = write_prompts(src, n)
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
+    req = JobRequest(str(src), str(data_dir), {"model": MODEL}, sampling, shard_size, retry_backoff_s=0.01,
+                     **kw)
+    return prepare_job(req, resolve_broker(data_dir, embedded=True)), texts
+
+
+def _task(m, shard_id, retries=0):
+    return ShardTask(m.job_id, shard_id, m.shard(shard_id).path, m.data_dir, retries)
+
+
+def test_shard_commits_greedy_outputs_once(runtime, data_dir, tmp_path):
+    m, texts = _job(data_dir, tmp_path, 5, 5)
+    out = process_shard(_task(m, 0), runtime)
+    assert (out.result, out.attempt, out.rows) == ("committed", 1, 5)
+    ref = LLM(MODEL).generate(texts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    rows = outputs_of(data_dir, m.job_id)
+    assert [r["output_text"] for r in rows] == [o.text for o in ref]
+    assert [r["output_tokens"] for r in rows] == [len(o.token_ids) for o in ref]
+    assert [r["row_tag"] for r in rows] == [f"tag{i}" for i in range(5)]
+    timing = query(data_dir, "SELECT * FROM requests WHERE job_id = ?", [m.job_id])
+    assert len(timing) == 5 and all(t["worker_id"] == "w-inproc" and t["e2e_s"] > 0 for t in timing)
+    again = process_shard(_task(m, 0), runtime)
+    assert (again.result, again.reason) == ("skipped", "already committed")
+    assert query(data_dir, "SELECT count(*) AS n FROM outputs WHERE job_id = ?", [m.job_id])[0]["n"] == 5
+    its = wait_for(lambda: query(data_dir, "SELECT * FROM iterations WHERE list_contains(job_ids, ?)",
+                                 [m.job_id]), 10, "iteration telemetry (flushed when the engine idles)")
+    assert all(i["worker_id"] == "w-inproc" and i["num_scheduled_seqs"] > 0 for i in its)
+    assert sum(i["decode_tokens"] + i["num_prefill_seqs"] for i in its) >= out.output_tokens
+
+
+def test_next_shard_is_admitted_while_the_current_one_drains(runtime):
+    """Two shard runs in one engine: the second's requests run before the first's last one ends."""
+    long_p = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    short_p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    a = ShardRun("j", "j:0:1", [EngineRequest("j:0:1:0", "a long one", None, long_p)] +
+                 [EngineRequest(f"j:0:1:{i}", f"short {i}", None, short_p) for i in range(1, 4)])
+    b = ShardRun("j", "j:1:1", [EngineRequest(f"j:1:1:{i}", f"next {i}", None, short_p) for i in range(4)])
+    runtime.loop.submit(a)
+    runtime.loop.submit(b)
+    assert a.done.wait(60) and b.done.wait(60)
+    a_end = max(o.metrics.finished_ts for o in a.outputs.values())
+    b_end = max(o.metrics.finished_ts for o in b.outputs.values())
+    b_first = min(o.metrics.scheduled_ts for o in b.outputs.values())
+    assert b_first < a_end and b_end < a_end, "shard b ran while shard a's long request was still running"
+
+
+def test_cancel_stops_running_rows_and_skips_queued_shards(runtime, data_dir, tmp_path):
+    m, _ = _job(data_dir, tmp_path, 6, 3)
+    paths = JobPaths.of(m.data_dir, m.job_id)
+    m.sampling_defaults.update(max_tokens=1900, ignore_eos=True)  # long enough to be cancelled mid-way
+    from jobs.manifest import write_manifest
+
+    write_manifest(m, paths)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(out=process_shard(_task(m, 0), runtime)))
+    start = runtime.iterations
+    worker.start()
+    wait_for(lambda: runtime.iterations > start + 20, 30, "the shard to be running")
+    paths.cancel_marker.write_text("test\n")
+    worker.join(60)
+    assert result["out"].result == "cancelled"
+    reasons = [r["finish_reason"] for r in outputs_of(data_dir, m.job_id)]
+    assert len(reasons) == 3 and "cancelled" in reasons
+    skipped = process_shard(_task(m, 1), runtime)
+    assert (skipped.result, skipped.reason) == ("skipped", "job cancelled")
+    assert shards_of(data_dir, m.job_id)[1]["status"] == "cancelled"
+
+
+def test_corrupt_shard_retries_with_backoff_then_fails_with_its_reason(runtime, data_dir, tmp_path):
+    m, _ = _job(data_dir, tmp_path, 4, 2, max_retries=2)
+    shard_file = Path(m.shard(1).path)
+    good = shard_file.read_bytes()
+    shard_file.write_bytes(b"garbage" * 10)
+    outcomes = [process_shard(_task(m, 1, retries), runtime) for retries in range(3)]
+    assert [o.result for o in outcomes] == ["retry", "retry", "failed"]
+    assert [o.retry_in_s for o in outcomes[:2]] == [backoff_s(0.01, 0), backoff_s(0.01, 1)]
+    assert [o.attempt for o in outcomes] == [1, 2, 3]
+    row = shards_of(data_dir, m.job_id)[1]
+    assert row["status"] == "failed" and row["attempts"] == 3
+    assert "unreadable" in row["error"] and "gave up after 3 tries" in row["error"]
+    shard_file.write_bytes(good)
+    assert process_shard(_task(m, 1), runtime).result == "committed"
+    assert shards_of(data_dir, m.job_id)[1]["status"] == "completed"
+
+
+def test_wrong_model_fails_the_attempt(runtime, data_dir, tmp_path):
+    m, _ = _job(data_dir, tmp_path, 2, 2, max_retries=0)
+    m.engine["model"] = "smollm2-135m"
+    from jobs.manifest import write_manifest
+
+    write_manifest(m, JobPaths.of(m.data_dir, m.job_id))
+    out = process_shard(_task(m, 0), runtime)
+    assert out.result == "failed" and "wants model 'smollm2-135m'" in out.reason
+
+
+def test_engine_failure_fails_the_shards_in_it_and_the_engine_is_rebuilt(runtime, monkeypatch):
+    engine = runtime.loop.engine
+
+    def broken_step():
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(engine, "step", broken_step)
+    run = ShardRun("j2", "j2:0:1", [EngineRequest("j2:0:1:0", "hello", None, SamplingParams(max_tokens=2))])
+    runtime.loop.submit(run)
+    assert run.done.wait(30)
+    assert "injected step failure" in run.error
+    wait_for(lambda: runtime.loop.engine is not engine, 30, "a fresh engine to replace the failed one")
+    ok = ShardRun("j2", "j2:0:2", [EngineRequest("j2:0:2:0", "hello", None, SamplingParams(max_tokens=2))])
+    runtime.loop.submit(ok)
+    assert ok.done.wait(30) and ok.error is None and ok.rows_done == 1
