@@ -173,11 +173,20 @@ def _groups(layout: Layout, kind: str) -> list[str]:
 
 
 def _inputs(layout: Layout, kind: str, group: str, min_age_s: float) -> list[Path]:
+    """The group's files not yet merged by an earlier compaction (those wait for garbage collection)."""
     now = time.time()
-    compacted = sorted(layout.compacted_dir(kind, group).glob("*.parquet"))
+    merged = _merged_already(layout, kind, group)
+    compacted = sorted(p for p in layout.compacted_dir(kind, group).glob("*.parquet") if str(p) not in merged)
     raw = sorted(p for p in layout.raw_dir(kind, group).glob("*.parquet")
-                 if now - _mtime(p, now) >= min_age_s)
+                 if str(p) not in merged and now - _mtime(p, now) >= min_age_s)
     return compacted + raw
+
+
+def _merged_already(layout: Layout, kind: str, group: str) -> set[str]:
+    files: set[str] = set()
+    for tomb in layout.gc.glob(f"{kind}~{group}~*.json"):
+        files.update(json.loads(tomb.read_text())["files"])
+    return files
 
 
 def _compacted_name() -> str:

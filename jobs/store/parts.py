@@ -85,7 +85,7 @@ def build_table(rows: Rows, schema: pa.Schema, *, kind: str, extra: bool = False
     unknown = [n for n in names if n not in schema.names]
     if unknown and not extra:
         raise StoreError(f"{kind} rows have unknown column(s) {unknown}; allowed: {schema.names}")
-    arrays = [_base_array(columns.get(f.name), f, kind, _num_rows(columns, rows)) for f in schema]
+    arrays = [_base_array(columns, f, kind, _num_rows(columns, rows)) for f in schema]
     fields = list(schema)
     for name in unknown:
         if name.startswith(INTERNAL_PREFIX):
@@ -114,7 +114,8 @@ def _columns_from_table(table: pa.Table, schema: pa.Schema, kind: str) -> tuple[
     return {name: table.column(name) for name in table.column_names}, table.column_names
 
 
-def _base_array(values, fld: pa.Field, kind: str, n: int) -> pa.Array:
+def _base_array(columns: dict, fld: pa.Field, kind: str, n: int) -> pa.Array:
+    values = columns.get(fld.name)
     if values is None:
         return pa.nulls(n, type=fld.type)
     try:
@@ -123,8 +124,14 @@ def _base_array(values, fld: pa.Field, kind: str, n: int) -> pa.Array:
         return pa.array(values, type=fld.type)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError) as exc:
         row = _first_bad_row(values, fld.type)
-        raise StoreError(f"{kind} column {fld.name!r} must be {fld.type}: row {row} holds "
-                         f"{_value_at(values, row)!r} ({exc})") from exc
+        raise StoreError(f"{kind} column {fld.name!r} must be {fld.type}: row {row}{_label(columns, row)} "
+                         f"holds {_value_at(values, row)!r} ({exc})") from exc
+
+
+def _label(columns: dict, row: int) -> str:
+    """' (request_id=...)' for a row that has one, so an error points at the request."""
+    ids = columns.get("request_id")
+    return f" (request_id={_value_at(ids, row)!r})" if ids is not None and row >= 0 else ""
 
 
 def _first_bad_row(values, typ: pa.DataType) -> int:
@@ -297,7 +304,7 @@ class ShardAttempt:
             self._totals["num_request_rows"] += table.num_rows
 
     def _own_output(self, row: Mapping) -> dict:
-        row = dict(row)
+        row = _caller_row(row, "outputs")
         _fill_or_match(row, "job_id", self.job_id, "outputs")
         row[SHARD_COLUMN] = self.shard_id
         row[ATTEMPT_ID_COLUMN] = self.attempt_id
@@ -306,7 +313,11 @@ class ShardAttempt:
         return row
 
     def _own_request(self, row: Mapping) -> dict:
-        row = dict(row)
+        row = _caller_row(row, "requests")
+        unknown = [name for name in row if name not in schemas.REQUESTS.names]
+        if unknown:
+            allowed = schemas.REQUESTS.names
+            raise StoreError(f"requests rows have unknown column(s) {unknown}; allowed: {allowed}")
         for name, value in (("job_id", self.job_id), ("shard_id", self.shard_id),
                             ("worker_id", self.worker_id), ("attempt", self.attempt)):
             _fill_or_match(row, name, value, "requests")
@@ -318,6 +329,15 @@ class ShardAttempt:
     def _check_open(self) -> None:
         if self.closed:
             raise StoreError(f"attempt {self.attempt_id} is already committed, failed or cancelled")
+
+
+def _caller_row(row: Mapping, kind: str) -> dict:
+    if not isinstance(row, Mapping):
+        raise StoreError(f"{kind} row is a {type(row).__name__}, not a mapping of column -> value")
+    reserved = [name for name in row if str(name).startswith(INTERNAL_PREFIX)]
+    if reserved:
+        raise StoreError(f"{kind} column(s) {reserved} use the reserved prefix {INTERNAL_PREFIX!r}")
+    return dict(row)
 
 
 def _check_int(name: str, value: int, lo: int) -> None:

@@ -52,7 +52,7 @@ QUERIES: dict[str, str] = {
         SELECT worker_id, time_bucket(INTERVAL '10 seconds', to_timestamp(ts)) AS bucket,
                avg(num_running) AS num_running, avg(num_waiting) AS num_waiting,
                sum(scheduled_tokens) / 10.0 AS scheduled_tokens_per_s,
-               avg(scheduled_tokens / token_budget) AS budget_utilisation,
+               avg(scheduled_tokens / nullif(token_budget, 0)) AS budget_utilisation,
                max(kv_blocks_used) AS kv_blocks_used, max(kv_blocks_total) AS kv_blocks_total,
                sum(num_preempted) AS preemptions, count(*) AS iterations
         FROM iterations WHERE list_contains(job_ids, $job_id)
@@ -68,8 +68,8 @@ QUERIES: dict[str, str] = {
         FROM iterations GROUP BY worker_id ORDER BY preemptions DESC""",
     "job_budget_utilisation": """
         SELECT date_trunc('minute', to_timestamp(ts)) AS minute,
-               avg(scheduled_tokens / token_budget) AS budget_utilisation,
-               avg(num_scheduled_seqs / max_num_seqs) AS seq_cap_utilisation
+               avg(scheduled_tokens / nullif(token_budget, 0)) AS budget_utilisation,
+               avg(num_scheduled_seqs / nullif(max_num_seqs, 0)) AS seq_cap_utilisation
         FROM iterations WHERE list_contains(job_ids, $job_id)
         GROUP BY minute ORDER BY minute""",
     "sweeps_overview": """
@@ -102,7 +102,7 @@ README_EXAMPLES: list[tuple[str, str]] = [
      "FROM iterations GROUP BY worker_id ORDER BY preemptions DESC"),
     ("Token-budget utilisation (scheduled_tokens / token_budget) per job and minute",
      "SELECT j.job_id, date_trunc('minute', to_timestamp(ts)) AS minute, "
-     "round(avg(scheduled_tokens / token_budget), 3) AS budget_utilisation "
+     "round(avg(scheduled_tokens / nullif(token_budget, 0)), 3) AS budget_utilisation "
      "FROM iterations, unnest(job_ids) AS j(job_id) GROUP BY ALL ORDER BY j.job_id, minute"),
 ]
 
