@@ -1,30 +1,55 @@
 """Fixtures of the dashboard tests (as in Flask's flaskr tutorial: `app` and `client`).
 
-`job_data_dir` is built once per session by a real small job on the tiny random model. `app` and
-`client` serve it; `empty_app` serves a data dir with nothing in it; `big_data_dir` holds a
-synthetic job of 100k iterations (downsampling, the charts' speed) and a sweep.
+`job_data_dir` is filled once per session by a real small job: `batchgen run` on 16 prompts with
+the tiny random model. `app` and `client` serve it; `empty_app` serves a data dir with nothing in
+it; `big_data_dir` holds a synthetic job of 100k iterations (downsampling, the charts' speed) and a
+sweep. `sql()` answers a query the way `batchgen sql --format json` does, by running that command.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 
 from dashboard import create_app
-from jobs.store.catalog import connect
-from jobs.store.usersql import run_user_query
-from tests.dashboard import engine_fill, synthetic
+from jobs.store.cli import sql as sql_command
+from tests.dashboard import synthetic
 
-JOB_ID = "job-engine"
+JOB_ID = "job-small"
+NUM_ROWS = 16
+# engine limits small enough that requests wait, KV blocks run out and requests are preempted
+RUN_FLAGS = ["--model", "tiny-random", "--shard-size", "8", "--max-num-seqs", "6", "--max-num-batched-tokens",
+             "64", "--block-size", "4", "--num-kv-blocks", "40", "--temperature", "0", "--ignore-eos",
+             "--no-progress"]
+
+
+def prompt_rows() -> list[dict]:
+    """16 input rows with an id, a prompt, max_tokens and an extra column; row 3 is empty (an error row)."""
+    def prompt(i: int) -> str:
+        return "" if i == 3 else f"Question {i}: tell me about batching " * (1 + i % 3)
+
+    return [{"id": str(i), "prompt": prompt(i), "max_tokens": 6 + (i * 5) % 14, "topic": f"t{i % 3}"}
+            for i in range(NUM_ROWS)]
 
 
 @pytest.fixture(scope="session")
 def job_data_dir(tmp_path_factory) -> Path:
-    """A data dir holding one finished job: 16 prompts (one empty: an error row) in 2 shards."""
-    data_dir = tmp_path_factory.mktemp("dashboard-data")
-    engine_fill.fill(data_dir, job_id=JOB_ID, num_rows=16, num_shards=2)
+    """A data dir holding one finished job run by `batchgen run` (2 shards of 8 rows, one error row)."""
+    root = tmp_path_factory.mktemp("dashboard-job")
+    prompts = root / "prompts.parquet"
+    pq.write_table(pa.Table.from_pylist(prompt_rows()), prompts)
+    data_dir = root / "data"
+    cmd = [sys.executable, "-m", "jobs.cli", "run", str(prompts), "--data-dir", str(data_dir),
+           "--job-id", JOB_ID, *RUN_FLAGS]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"batchgen run failed:\n{done.stdout}\n{done.stderr}"
     return data_dir
 
 
@@ -52,13 +77,10 @@ def empty_app(tmp_path):
 
 
 def sql(data_dir: Path, query: str) -> list[dict]:
-    """Rows of `query` as `batchgen sql` answers it (the store's hardened read path)."""
-    con = connect(data_dir, read_only_user_sql=True)
-    try:
-        result = run_user_query(con, query)
-    finally:
-        con.close()
-    return [dict(zip(result.columns, row, strict=True)) for row in result.rows]
+    """Rows of `query` as `batchgen sql --format json` prints them (timestamps as ISO strings)."""
+    result = CliRunner().invoke(sql_command, [query, "--data-dir", str(data_dir), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
 
 
 def sql_one(data_dir: Path, query: str) -> dict:
