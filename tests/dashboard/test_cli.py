@@ -1,0 +1,83 @@
+"""`batchgen dashboard` serves the app: started as a real process on 127.0.0.1 and asked over HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.dashboard.conftest import JOB_ID
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, token: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, exc.read()
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"batchgen dashboard exited with {proc.returncode}: {proc.stdout.read()}")
+        try:
+            get(url)
+            return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.2)
+    pytest.fail(f"batchgen dashboard did not answer on {url} within {timeout_s} s")
+
+
+def start(data_dir, port: int, env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "jobs.cli", "dashboard", "--data-dir", str(data_dir), "--port", str(port)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(timeout=10)
+    proc.stdout.close()
+
+
+def test_command_serves_the_data_dir_on_loopback(job_data_dir):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "BATCHGEN_DASHBOARD_TOKEN"}
+    proc = start(job_data_dir, port, env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until_up(proc, base + "/api/jobs")
+        status, body = get(base + "/")
+        assert status == 200 and JOB_ID.encode() in body
+        status, body = get(f"{base}/api/jobs/{JOB_ID}")
+        assert status == 200 and b'"status":"completed"' in body
+    finally:
+        stop(proc)
+
+
+def test_command_with_a_token_guards_every_request(job_data_dir):
+    port = free_port()
+    proc = start(job_data_dir, port, {**os.environ, "BATCHGEN_DASHBOARD_TOKEN": "tok-123"})
+    try:
+        base = f"http://127.0.0.1:{port}"
+        wait_until_up(proc, base + "/api/jobs")
+        assert get(base + "/api/jobs")[0] == 401
+        assert get(base + "/static/app.js")[0] == 401
+        assert get(base + "/api/jobs", token="tok-123")[0] == 200
+    finally:
+        stop(proc)
