@@ -102,7 +102,9 @@ SELECT job_id, shard_id,
     arg_max(error, (attempt, ts, rank)) AS last_error,
     arg_max(ts, (attempt, ts, rank)) AS last_ts,
     arg_max(worker_id, (attempt, ts)) FILTER (WHERE event = 'running') AS last_worker,
-    count(DISTINCT _bg_attempt_id) FILTER (WHERE event = 'running') AS attempts_started,
+    -- attempts started: distinct attempt ids, or distinct attempt numbers where events carry no id
+    greatest(count(DISTINCT nullif(_bg_attempt_id, '')) FILTER (WHERE event = 'running'),
+             count(DISTINCT attempt) FILTER (WHERE event = 'running')) AS attempts_started,
     max(num_requests) AS num_requests,
     min(ts) FILTER (WHERE event = 'running') AS first_running_ts
 FROM (SELECT *, CASE event WHEN 'queued' THEN 0 WHEN 'running' THEN 1 ELSE 2 END AS rank

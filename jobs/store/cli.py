@@ -9,8 +9,8 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import decimal
+import io
 import json
-import sys
 import uuid
 
 import click
@@ -76,10 +76,12 @@ def _print_json(result: QueryResult) -> None:
 
 
 def _print_csv(result: QueryResult) -> None:
-    writer = csv.writer(sys.stdout, lineterminator="\n")
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(result.columns)
     for row in result.rows:
         writer.writerow([_cell(v, csv_mode=True) for v in row])
+    click.echo(buf.getvalue(), nl=False)
 
 
 def _cell(value, *, csv_mode: bool = False) -> str:

@@ -1,0 +1,230 @@
+"""The views: empty data dirs, any cwd, commit rules, status derivation, schema version, catalog."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import duckdb
+import pytest
+
+from jobs.store.catalog import USER_VIEWS, connect, write_catalog
+from jobs.store.layout import SCHEMA_VERSION, StoreError
+from jobs.store.parts import ShardAttempt, Store
+from jobs.store.schemas import JobRecord, ShardEvent
+
+
+def _output(i) -> dict:
+    return {"request_id": i, "output_text": "o", "finish_reason": "stop", "prompt_tokens": 1,
+            "output_tokens": 1, "error": None}
+
+
+def _one(con, sql: str, params=None):
+    return con.execute(sql, params).fetchall() if params else con.execute(sql).fetchall()
+
+
+def _commit_shard(store: Store, job_id: str, shard: int, attempt: int = 1, worker: str = "w", n: int = 2):
+    att = store.begin_attempt(job_id, shard, attempt, worker)
+    att.add_outputs([_output(f"{shard}-{i}") for i in range(n)])
+    return att.commit()
+
+
+def test_views_on_an_empty_data_dir_have_zero_rows(tmp_path):
+    con = connect(tmp_path)
+    for view in USER_VIEWS:
+        assert _one(con, f"SELECT count(*) FROM {view}") == [(0,)], view
+    cols = {v: [d[0] for d in con.execute(f"SELECT * FROM {v} LIMIT 0").description] for v in USER_VIEWS}
+    assert cols["jobs"][:10] == ["job_id", "status", "model", "num_requests", "num_shards", "submitted_at",
+                                 "started_at", "finished_at", "config", "output_path"]
+    assert cols["shards"][:8] == ["job_id", "shard_id", "status", "attempts", "worker_id", "num_requests",
+                                  "started_at", "finished_at"]
+    assert set(cols["requests"]) >= {"job_id", "shard_id", "request_id", "worker_id", "prompt_tokens",
+                                     "output_tokens", "finish_reason", "arrival_ts", "scheduled_ts",
+                                     "first_token_ts", "finished_ts", "queue_s", "ttft_s", "e2e_s", "tpot_s",
+                                     "num_preemptions"}
+    assert "job_ids" in cols["iterations"] and "kv_blocks_total" in cols["iterations"]
+    assert cols["sweeps"][:3] == ["sweep_id", "ts", "model"]
+
+
+def test_missing_data_dir_is_an_error_for_readers(tmp_path):
+    with pytest.raises(StoreError, match="does not exist"):
+        connect(tmp_path / "nope")
+
+
+def test_views_work_from_any_working_directory(tmp_path, monkeypatch):
+    data_dir = tmp_path / "data"
+    _commit_shard(Store(data_dir), "job-1", 0)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(tmp_path)
+    con = connect("data")  # relative: resolved once, when the connection is made
+    monkeypatch.chdir(elsewhere)
+    assert _one(con, "SELECT count(*) FROM outputs") == [(2,)]
+    # and the catalog file, opened by a fresh process from yet another directory
+    assert write_catalog(data_dir)
+    script = ("import duckdb, sys; c = duckdb.connect(sys.argv[1], read_only=True); "
+              "print(c.execute('SELECT count(*) FROM outputs').fetchall()[0][0])")
+    out = subprocess.run([sys.executable, "-c", script, str(data_dir / "batchgen.duckdb")], cwd="/",
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "2"
+
+
+def test_two_commits_of_one_shard_count_once_and_the_first_wins(tmp_path):
+    store = Store(tmp_path)
+    late = store.begin_attempt("job-r", 0, 1, "slow")
+    early = store.begin_attempt("job-r", 0, 2, "fast")
+    early.add_outputs([_output("a"), _output("b")])
+    late.add_outputs([_output("a"), _output("b"), _output("c")])  # a different row count, to tell them apart
+    early.commit()
+    con = connect(tmp_path)
+    assert _one(con, "SELECT count(*) FROM outputs") == [(2,)]
+    late.commit()  # the race: both commit
+    for _ in range(2):  # same answer on every query and every connection
+        con = connect(tmp_path)
+        assert _one(con, "SELECT count(*) FROM outputs") == [(2,)]
+        assert _one(con, "SELECT status, worker_id, committed_attempt, rows_done FROM shards") == [
+            ("completed", "fast", 2, 2)]
+
+
+def test_shard_and_job_status_derivation(tmp_path):
+    store = Store(tmp_path)
+    t = time.time()
+    store.record_job(JobRecord("job-s", "tiny", 8, 4, t))
+    store.record_shard_events([ShardEvent("job-s", s, "queued", t, num_requests=2) for s in range(4)])
+    con = connect(tmp_path)
+    status = lambda: dict(_one(con, "SELECT shard_id, status FROM shards WHERE job_id = 'job-s'"))
+    job = lambda: _one(con, "SELECT status, shards_completed, shards_failed, rows_done FROM jobs")[0]
+    assert status() == {0: "queued", 1: "queued", 2: "queued", 3: "queued"} and job()[0] == "queued"
+
+    _commit_shard(store, "job-s", 0)
+    failing = store.begin_attempt("job-s", 1, 1, "w")
+    running = store.begin_attempt("job-s", 2, 1, "w")
+    assert status() == {0: "completed", 1: "running", 2: "running", 3: "queued"}
+    assert job() == ("running", 1, 0, 2)
+
+    failing.fail("CUDA error")
+    store.record_shard_events([ShardEvent("job-s", 1, "queued", time.time(), attempt=2)])  # a retry
+    assert status()[1] == "queued"
+    retry = store.begin_attempt("job-s", 1, 2, "w2")
+    retry.fail("CUDA error again")
+    # a zombie from attempt 1 reporting late does not override attempt 2
+    store.record_shard_events([ShardEvent("job-s", 1, "running", time.time(), attempt=1, worker_id="zombie")])
+    assert _one(con, "SELECT status, attempts, error FROM shards WHERE shard_id = 1") == [
+        ("failed", 2, "CUDA error again")]
+
+    running.commit()
+    _commit_shard(store, "job-s", 3)
+    assert job()[:3] == ("failed", 3, 1)
+    [(finished, started)] = _one(con, "SELECT finished_at, started_at FROM jobs")
+    assert finished is not None and started is not None and finished >= started
+
+
+def test_cancel_marks_unfinished_shards_cancelled(tmp_path):
+    store = Store(tmp_path)
+    store.record_job(JobRecord("job-c", "tiny", 6, 3, time.time()))
+    _commit_shard(store, "job-c", 0)
+    store.begin_attempt("job-c", 1, 1, "w")
+    store.request_cancel("job-c", reason="user asked")
+    con = connect(tmp_path)
+    assert dict(_one(con, "SELECT shard_id, status FROM shards")) == {0: "completed", 1: "cancelled",
+                                                                      2: "cancelled"}
+    [(status, error, finished)] = _one(con, "SELECT status, error, finished_at FROM jobs")
+    assert (status, error) == ("cancelled", "user asked") and finished is not None
+    assert _one(con, "SELECT count(*) FROM outputs") == [(2,)]  # finished rows stay
+
+
+def test_requests_live_shows_the_latest_uncommitted_attempt(tmp_path):
+    store = Store(tmp_path)
+    old = store.begin_attempt("job-l", 0, 1, "w")
+    old.add_request("r1", "stop", _stats())
+    old.flush()
+    new = store.begin_attempt("job-l", 0, 2, "w")
+    new.add_request("r1", "stop", _stats())
+    new.add_request("r2", "stop", _stats())
+    new.flush()
+    con = connect(tmp_path)
+    assert _one(con, "SELECT count(*) FROM requests") == [(0,)]
+    assert _one(con, "SELECT attempt, count(*), bool_or(committed) FROM requests_live GROUP BY 1") == [
+        (2, 2, False)]
+    new.commit()
+    assert _one(con, "SELECT attempt, count(*), bool_and(committed) FROM requests_live GROUP BY 1") == [
+        (2, 2, True)]
+    assert _one(con, "SELECT count(*) FROM requests") == [(2,)]
+
+
+def _stats():
+    from engine.stats import RequestStats
+
+    return RequestStats(1.0, 1.1, 1.5, 2.0, 0, 3, 4)
+
+
+def test_a_newer_schema_version_is_refused(tmp_path):
+    store = Store(tmp_path)
+    store.layout.version_file.write_text(json.dumps({"schema_version": SCHEMA_VERSION + 1}))
+    with pytest.raises(StoreError, match=r"written by a newer batchgen .*upgrade batchgen"):
+        connect(tmp_path)
+    with pytest.raises(StoreError, match="newer batchgen"):
+        Store(tmp_path)
+
+
+def test_an_older_schema_without_migration_says_what_to_do(tmp_path):
+    store = Store(tmp_path)
+    store.layout.version_file.write_text(json.dumps({"schema_version": 0}))
+    with pytest.raises(StoreError, match=r"schema v0 .* no migration from it: read it with the batchgen"):
+        connect(tmp_path)
+
+
+def test_an_older_schema_with_a_migration_is_migrated(tmp_path, monkeypatch):
+    from jobs.store import catalog
+
+    store = Store(tmp_path)
+    store.layout.version_file.write_text(json.dumps({"schema_version": SCHEMA_VERSION - 1}))
+    ran = []
+    monkeypatch.setitem(catalog.MIGRATIONS, SCHEMA_VERSION - 1, ran.append)
+    connect(tmp_path)
+    assert ran == [store.layout]
+    assert json.loads(store.layout.version_file.read_text()) == {"schema_version": SCHEMA_VERSION}
+
+
+def test_readers_never_open_the_catalog_file(tmp_path):
+    """A user's duckdb session holding batchgen.duckdb must not stop batchgen's readers."""
+    store = Store(tmp_path)
+    _commit_shard(store, "job-h", 0)
+    assert write_catalog(tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); "
+         "print('held', flush=True); time.sleep(30)", str(store.layout.catalog)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(duckdb.IOException):  # the lock the holder takes
+            duckdb.connect(str(store.layout.catalog), read_only=True)
+        assert _one(connect(tmp_path), "SELECT count(*) FROM outputs") == [(2,)]
+        assert write_catalog(tmp_path) is False  # skipped while held, not an error
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+
+
+def test_catalog_records_the_schema_version(tmp_path):
+    Store(tmp_path)
+    assert write_catalog(tmp_path)
+    con = duckdb.connect(str(tmp_path / "batchgen.duckdb"), read_only=True)
+    assert _one(con, "SELECT schema_version, data_dir FROM batchgen_meta") == [(SCHEMA_VERSION,
+                                                                                  str(tmp_path.resolve()))]
+    names = {r[0] for r in _one(con, "SELECT view_name FROM duckdb_views() WHERE NOT internal")}
+    assert set(USER_VIEWS) <= names
+    con.close()
+
+
+def test_attempt_objects_can_be_built_without_a_running_event(tmp_path):
+    # ShardAttempt is public: a caller may build one directly (no "running" event is written then)
+    store = Store(tmp_path)
+    att = ShardAttempt(store, "job-d", 0, 1, "w")
+    att.add_outputs([_output(1)])
+    att.commit()
+    con = connect(tmp_path)
+    assert _one(con, "SELECT status, attempts FROM shards") == [("completed", 1)]
