@@ -15,6 +15,7 @@ import functools
 import logging
 
 from celery import Celery
+from celery.exceptions import Reject
 from kombu import Exchange, Queue
 
 import jobs.embedded_broker  # noqa: F401 - registers the embedded transport with kombu
@@ -90,6 +91,8 @@ def run_shard(self, job_id: str, shard_id: int, shard_path: str, data_dir: str) 
     task = ShardTask(job_id, shard_id, shard_path, data_dir, retries=self.request.retries)
     outcome = process_shard(task, current_runtime())
     log.info("shard %s/%d: %s", job_id, shard_id, outcome.describe())
+    if outcome.result == "handed_back":
+        raise Reject(outcome.reason, requeue=True)
     if outcome.retry_in_s is not None:
         raise self.retry(countdown=outcome.retry_in_s)
     return outcome.as_dict()

@@ -211,6 +211,7 @@ class WorkerRuntime:
         self.telemetry = self.store.telemetry_buffer(worker_id)
         self.iterations = 0  # engine steps so far
         self._held: dict[str, _Held] = {}
+        self._draining = threading.Event()  # shutting down: finish held shards, take no new ones
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._janitor = janitor
@@ -240,6 +241,14 @@ class WorkerRuntime:
         self._stop.set()
         self.loop.stop(timeout=60)
         self._house.join(timeout=10)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining.is_set()
+
+    def drain(self) -> None:
+        """Stop taking shards (warm shutdown): new deliveries are handed back to the broker."""
+        self._draining.set()
 
     # -- shards
     def check_model(self, manifest: JobManifest) -> None:

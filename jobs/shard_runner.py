@@ -2,6 +2,7 @@
 
 `process_shard(task, runtime)` is what the Celery task calls (and what tests call directly):
 
+0. hand the message back (requeue) when the worker is shutting down: it only finishes what it holds;
 1. skip when the shard is committed (tasks are idempotent), its job was cancelled, or a live attempt
    of it runs elsewhere (a duplicate delivery);
 2. claim the next attempt (jobs.leases) and open it in the store (`running` event);
@@ -51,7 +52,7 @@ class ShardTask:
 class ShardOutcome:
     """What one delivery did."""
 
-    result: str  # committed | skipped | failed | retry | cancelled
+    result: str  # committed | skipped | failed | retry | cancelled | handed_back
     attempt: int = 0  # the attempt it ran (0 when skipped)
     rows: int = 0  # output rows committed
     output_tokens: int = 0
@@ -73,6 +74,8 @@ def backoff_s(first_s: float, retries: int) -> float:
 
 def process_shard(task: ShardTask, runtime: WorkerRuntime) -> ShardOutcome:
     """Run one delivery of a shard task to its end (see the module docstring)."""
+    if runtime.draining:
+        return ShardOutcome("handed_back", reason="the worker is shutting down")
     manifest = load_manifest(task.data_dir, task.job_id)
     paths = JobPaths.of(task.data_dir, task.job_id)
     store = Store(task.data_dir)

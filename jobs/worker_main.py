@@ -1,8 +1,10 @@
 """`batchgen worker` inside: load the engine once, then consume shard tasks with Celery.
 
 Celery runs with the threads pool so every task thread shares this process's one engine (see
-jobs.runtime). Shutdown: Celery's warm shutdown on SIGTERM/SIGINT stops taking messages and waits
-for the shards in flight to finish and commit; only then is the engine loop stopped. A second
+jobs.runtime). Shutdown: on SIGTERM/SIGINT Celery's warm shutdown waits for the shards in flight to
+finish and commit; only then is the engine loop stopped. Celery may still deliver a message or two
+while its consumer loop winds down (measured: its last poll runs after the signal); the runtime is
+draining by then and hands those back to the broker (reject + requeue) without starting them. A second
 signal (cold shutdown) exits at once: the attempts in flight die with the process, their leases
 go stale and the shards are re-queued (nothing is lost, the attempt is redone).
 """
@@ -22,6 +24,8 @@ log = logging.getLogger(__name__)
 def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, worker_id: str,
                concurrency: int, loglevel: str = "INFO") -> int:
     """Serve shard tasks until shut down; the process exit code."""
+    from celery import signals
+
     from jobs.celery_app import make_app
     from jobs.runtime import WorkerRuntime, set_runtime
     from jobs.supervise import requeue_dead_shards
@@ -35,6 +39,7 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
         log.error("worker %s cannot start its engine: %s", worker_id, exc)
         return 1
     set_runtime(runtime)
+    signals.worker_shutting_down.connect(lambda **_: runtime.drain(), weak=False)
     log.info("worker %s: model %s loaded; consuming %s queue %r (concurrency %d)", worker_id, config.model,
              settings.display_url, settings.queue, concurrency)
     try:

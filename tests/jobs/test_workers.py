@@ -3,6 +3,7 @@ RabbitMQ. No eager mode. Each test uses its own data dir and queue, and kills it
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,29 @@ def test_two_workers_share_a_job_and_a_corrupt_shard_fails_until_retried(tmp_pat
     _assert_each_row_once(data_dir, m.job_id, 12)
     again = runner.invoke(cli, ["retry", m.job_id, "--data-dir", str(data_dir)])
     assert again.exit_code == 0 and "no failed shards" in again.output
+
+
+def test_sigterm_finishes_the_shards_in_flight_and_hands_back_the_rest(tmp_path):
+    data_dir = tmp_path / "data"
+    src = tmp_path / "in.parquet"
+    write_prompts(src, 8)
+    settings = broker_for("embedded", data_dir, unique_queue("term"))
+    with workers(data_dir, settings, tmp_path, ["w1"], "--max-num-seqs", "2", "--concurrency", "2") as ws:
+        ws[0].wait_ready()
+        m = submit(data_dir, src, settings, shard_size=2, max_tokens=600)
+        wait_for(lambda: job_progress(m).count("running") == 2, 60, "two shards in w1's engine",
+                 poll=0.05, on_timeout=lambda: logs(ws))
+        signalled = time.time()
+        assert ws[0].stop(timeout=120) == 0, logs(ws)
+        assert "Warm shutdown" in ws[0].log()
+        progress = job_progress(m)
+        started = [s for s in progress.shards if s.state != "queued"]
+        assert len(started) >= 2 and all(s.state == "committed" for s in started), progress
+        leases = ShardLeases(JobPaths.of(data_dir, m.job_id).leases)
+        starts = [leases.latest(s.shard_id).state.started_ts for s in started]
+        assert max(starts) < signalled, "no shard began after the signal"
+        assert progress.count("queued") >= 1, "the rest stay queued (handed back or never delivered)"
+        ws.append(Worker(data_dir, settings, "w2", tmp_path, "--max-num-seqs", "2"))
+        wait_for(lambda: job_progress(m).finished, 180, "the rest on w2", on_timeout=lambda: logs(ws))
+    _assert_each_row_once(data_dir, m.job_id, 8)
+    assert {s["attempts"] for s in shards_of(data_dir, m.job_id).values()} == {1}

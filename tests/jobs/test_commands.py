@@ -1,0 +1,132 @@
+"""The job commands: exit codes and messages for bad input, `batchgen run` end to end, cancel, status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from engine import LLM, SamplingParams
+from jobs.cli import cli
+from tests.jobs.helpers import LEASE_TTL_S, MODEL, job_status, one_torch_thread, prompts, shards_of
+
+
+def _invoke(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+def _write(path, **columns) -> str:
+    pq.write_table(pa.table(columns), path)
+    return str(path)
+
+
+@pytest.mark.parametrize("columns, message", [
+    ({"text": ["a"]}, "needs a 'prompt' (string) or 'messages'"),
+    ({"prompt": [1]}, "column 'prompt' must be a string"),
+    ({"prompt": ["a", "b"], "id": ["x", "x"]}, "duplicate id 'x'"),
+])
+@pytest.mark.parametrize("command", ["submit", "run"])
+def test_bad_input_is_a_usage_error(tmp_path, command, columns, message):
+    src = _write(tmp_path / "bad.parquet", **columns)
+    result = _invoke(command, src, "--model", MODEL, "--data-dir", str(tmp_path / "data"))
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "bad.parquet" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shard-size", "0"], "--shard-size must be >= 1"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--max-num-seqs", "0"], "max_num_seqs must be an integer in [1, 65536]"),
+    (["--max-tokens", "0"], "max_tokens must be >= 1"),
+    (["--broker", "bogus://x"], "use redis://... or amqp://..."),
+])
+def test_bad_flags_are_usage_errors(tmp_path, args, message):
+    src = _write(tmp_path / "ok.parquet", prompt=["a"])
+    result = _invoke("submit", src, "--model", MODEL, "--data-dir", str(tmp_path / "data"), *args)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_unreadable_or_missing_input(tmp_path):
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"nope")
+    missing = tmp_path / "missing.parquet"
+    for src, message in ((junk, "not a readable Parquet file"), (missing, "does not exist")):
+        result = _invoke("submit", str(src), "--data-dir", str(tmp_path / "data"))
+        assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_unknown_job_is_a_usage_error(tmp_path):
+    data = tmp_path / "data"
+    src = _write(tmp_path / "ok.parquet", prompt=["a"])
+    assert _invoke("submit", src, "--data-dir", str(data), "--queue", "q.unknown").exit_code == 0
+    for cmd in ("status", "cancel", "retry"):
+        result = _invoke(cmd, "job-nope", "--data-dir", str(data))
+        assert result.exit_code == 2 and "no job 'job-nope'" in result.output, (cmd, result.output)
+
+
+def test_cancel_a_queued_job_and_status(tmp_path):
+    data = tmp_path / "data"
+    src = _write(tmp_path / "ok.parquet", prompt=["a", "b", "c"])
+    sub = _invoke("submit", src, "--model", MODEL, "--data-dir", str(data), "--shard-size", "2",
+                  "--queue", "q.c")
+    assert sub.exit_code == 0, sub.output
+    job_id = sub.output.strip().splitlines()[-1]
+    listing = json.loads(_invoke("status", "--data-dir", str(data), "--format", "json").output)
+    summary = [(j["job_id"], j["status"], j["request_counts"]["total"]) for j in listing]
+    assert summary == [(job_id, "queued", 3)]
+    result = _invoke("cancel", job_id, "--data-dir", str(data))
+    assert result.exit_code == 0, result.output
+    assert job_status(data, job_id) == "cancelled"
+    assert {s["status"] for s in shards_of(data, job_id).values()} == {"cancelled"}
+    shown = _invoke("status", job_id, "--data-dir", str(data))
+    assert shown.exit_code == 0 and f"job {job_id}: cancelled" in shown.output
+    again = _invoke("retry", job_id, "--data-dir", str(data))
+    assert again.exit_code == 2 and "was cancelled" in again.output
+
+
+@pytest.mark.slow
+def test_run_end_to_end_writes_every_row_once_in_input_order(tmp_path):
+    texts = prompts(7)
+    max_tokens = [None, 0, None, None, 5, None, None]  # row 1 cannot run (max_tokens < 1)
+    texts[3] = ""  # empty prompt: an error row
+    texts[5] = "x" * 80  # longer than --max-model-len 64: an error row from the engine
+    src = _write(tmp_path / "in.parquet", prompt=texts, id=[f"r{i}" for i in range(7)], max_tokens=max_tokens,
+                 note=[f"n{i}" for i in range(7)])
+    out = tmp_path / "out.parquet"
+    env = dict(os.environ, BATCHGEN_LEASE_TTL_S=LEASE_TTL_S, OMP_NUM_THREADS="1")
+    env.pop("BATCHGEN_BROKER_URL", None)
+    cmd = [sys.executable, "-m", "jobs.cli", "run", src, "--model", MODEL,
+           "--data-dir", str(tmp_path / "data"), "--max-model-len", "64", "--max-tokens", "12",
+           "--temperature", "0", "--shard-size", "3", "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rows: 4 ok, 3 error, 0 cancelled" in proc.stdout and f"output: {out}" in proc.stdout
+    assert "row" in proc.stderr and "tok/s" in proc.stderr, "progress bar on stderr"
+    table = pq.read_table(out).to_pylist()
+    assert [r["request_id"] for r in table] == [f"r{i}" for i in range(7)]
+    assert [r["note"] for r in table] == [f"n{i}" for i in range(7)]
+    assert [r["finish_reason"] == "error" for r in table] == [False, True, False, True, False, True, False]
+    assert "max_tokens must be >= 1" in table[1]["error"] and table[3]["error"] == "empty prompt"
+    assert "max_model_len is 64" in table[5]["error"]
+    ok = [0, 2, 4, 6]
+    with one_torch_thread():
+        params = [SamplingParams(max_tokens=5 if i == 4 else 12, temperature=0.0) for i in ok]
+        ref = LLM(MODEL, max_model_len=64).generate([texts[i] for i in ok], params)
+    assert [table[i]["output_text"] for i in ok] == [o.text for o in ref]
+
+
+@pytest.mark.slow
+def test_run_with_a_model_that_cannot_load_fails_with_exit_1(tmp_path):
+    src = _write(tmp_path / "in.parquet", prompt=["a"])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "jobs.cli", "run", src, "--model", str(tmp_path / "no-model"),
+           "--data-dir", str(tmp_path / "data"), "--no-progress"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "worker 0 exited with code 1" in proc.stderr and "cannot start its engine" in proc.stderr
