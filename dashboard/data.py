@@ -28,12 +28,12 @@ class JobSummary:
 
     job_id: str
     status: str  # queued | running | completed | failed | cancelled
-    model: str | None
+    model: str | None  # as the job was submitted with
     num_requests: int | None  # rows of the input Parquet
-    num_shards: int | None
-    shards_completed: int
-    shards_failed: int
-    shards_running: int
+    num_shards: int | None  # shards 0 .. num_shards - 1
+    shards_completed: int  # shards whose attempt committed
+    shards_failed: int  # shards out of retries
+    shards_running: int  # shards with an attempt running now
     rows_done: int  # committed output rows + finished requests of running attempts
     output_tokens: int  # generated tokens of those rows
     prompt_tokens: int  # prompt tokens of the committed rows
@@ -136,16 +136,16 @@ class WorkerSummary:
     iterations: int  # engine steps it has written
     first_seen_ts: float  # its first iteration
     last_seen_ts: float  # end of its last iteration: the heartbeat
-    max_num_seqs: int  # the limits in force at its last iteration
-    token_budget: int
-    kv_blocks_total: int
+    max_num_seqs: int  # sequence cap in force at its last iteration
+    token_budget: int  # max_num_batched_tokens in force at its last iteration
+    kv_blocks_total: int  # KV blocks in its cache
     kv_blocks_used: int  # at its last iteration
     num_running: int  # running sequences at its last iteration
     num_waiting: int  # waiting requests at its last iteration
     recent_decode_tokens_per_s: float  # over the last RECENT_WINDOW_S seconds
-    recent_scheduled_tokens_per_s: float
+    recent_scheduled_tokens_per_s: float  # prefill + decode tokens, same window
     lifetime_decode_tokens_per_s: float  # first to last iteration
-    preemptions: int
+    preemptions: int  # sequences it preempted, over all its iterations
     alive: bool  # last heartbeat within HEARTBEAT_STALE_S
     current_shards: list[dict]  # shards it is running now (job_id, shard_id, attempts, started_ts)
     latest_job_id: str | None  # the job of the shard it started last

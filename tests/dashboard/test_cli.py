@@ -81,3 +81,18 @@ def test_command_with_a_token_guards_every_request(job_data_dir):
         assert get(base + "/api/jobs", token="tok-123")[0] == 200
     finally:
         stop(proc)
+
+
+def test_serving_pages_never_imports_torch(job_data_dir):
+    """The dashboard reads the store only: no model code, so it starts fast on any machine."""
+    code = (
+        "import sys\n"
+        "from dashboard import create_app\n"
+        f"client = create_app({{'DATA_DIR': {str(job_data_dir)!r}}}).test_client()\n"
+        f"for url in ('/', '/jobs/{JOB_ID}', '/api/jobs/{JOB_ID}/iterations', '/workers', '/sql'):\n"
+        "    assert client.get(url).status_code == 200, url\n"
+        "print(sorted(m for m in ('torch', 'triton', 'engine.llm_engine') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
