@@ -1,0 +1,141 @@
+"""Compaction and garbage collection, in one process (the racing version is in test_store_concurrency)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from jobs.store.bench import main as bench_main
+from jobs.store.catalog import connect
+from jobs.store.compact import collect_garbage, compact, compact_group, compact_job
+from jobs.store.layout import Layout
+from jobs.store.parts import Store
+from jobs.store.schemas import JobRecord
+
+
+def _fill(store: Store, job_id: str, shards: int = 3, parts: int = 3, commit: bool = True) -> None:
+    store.record_job(JobRecord(job_id, "tiny", shards * parts, shards, time.time()))
+    for s in range(shards):
+        att = store.begin_attempt(job_id, s, 1, "w")
+        for p in range(parts):
+            att.add_outputs([{"request_id": f"{s}-{p}", "output_text": "x", "finish_reason": "stop",
+                              "prompt_tokens": 1, "output_tokens": p, "error": None, "extra": p}])
+            att.flush()
+        if commit:
+            att.commit()
+
+
+def _snapshot(data_dir) -> dict:
+    con = connect(data_dir)
+    try:
+        return {v: sorted(con.execute(f"SELECT * FROM {v}").fetchall(), key=repr)
+                for v in ("jobs", "shards", "outputs", "requests", "iterations")}
+    finally:
+        con.close()
+
+
+def _files(layout: Layout, kind: str, job_id: str, where: str) -> list:
+    return sorted((layout.kind_dir(kind) / where / job_id).glob("*.parquet"))
+
+
+def test_compacting_a_finished_job_merges_its_parts_and_keeps_answers(tmp_path):
+    store = Store(tmp_path)
+    _fill(store, "job-a")
+    before = _snapshot(tmp_path)
+    report = compact_job(tmp_path, "job-a")
+    assert report.groups == 4  # job_records, shard_events, commits, outputs
+    assert len(_files(store.layout, "outputs", "job-a", "compacted")) == 1
+    assert len(_files(store.layout, "outputs", "job-a", "raw")) == 9  # kept for the grace period
+    assert _snapshot(tmp_path) == before
+    assert collect_garbage(tmp_path) == 0  # inside the grace period nothing goes
+    assert collect_garbage(tmp_path, grace_s=0) == report.files_in
+    assert _files(store.layout, "outputs", "job-a", "raw") == []
+    assert _snapshot(tmp_path) == before
+    assert store.committed("job-a", 1).num_outputs == 3  # workers still find commits once compacted
+    assert compact_job(tmp_path, "job-a").groups == 0  # nothing new
+
+
+def test_running_jobs_are_left_alone_unless_forced(tmp_path):
+    store = Store(tmp_path)
+    _fill(store, "job-r", commit=False)
+    report = compact_job(tmp_path, "job-r")
+    assert report.groups == 0 and report.skipped == ["job job-r is not finished"]
+    assert compact(tmp_path).groups == 0  # compact() only takes finished jobs
+    before = _snapshot(tmp_path)
+    assert compact_job(tmp_path, "job-r", force=True).groups == 3
+    assert _snapshot(tmp_path) == before
+
+
+def test_late_parts_are_merged_with_the_earlier_compacted_file(tmp_path):
+    store = Store(tmp_path)
+    _fill(store, "job-l")
+    compact_job(tmp_path, "job-l")
+    late = store.begin_attempt("job-l", 0, 7, "zombie")  # never commits: invisible, but on disk
+    late.add_outputs([{"request_id": "z", "output_text": "z", "finish_reason": "stop", "prompt_tokens": 1,
+                       "output_tokens": 1, "error": None}])
+    late.flush()
+    before = _snapshot(tmp_path)
+    first = _files(store.layout, "outputs", "job-l", "compacted")
+    report = compact_group(store.layout, "outputs", "job-l")
+    assert (report.groups, report.files_in) == (1, 2)  # the earlier compacted file + the late part
+    both = _files(store.layout, "outputs", "job-l", "compacted")
+    assert len(both) == 2 and both[0] not in first  # the new file sorts first
+    assert _snapshot(tmp_path) == before
+    collect_garbage(tmp_path, grace_s=0)
+    assert _files(store.layout, "outputs", "job-l", "compacted") == [both[0]]
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_held_lock_skips_the_group_and_a_stale_one_is_broken(tmp_path):
+    store = Store(tmp_path)
+    _fill(store, "job-k")
+    lock = store.layout.locks / "outputs~job-k.lock"
+    lock.write_text("other-host 1234\n")
+    report = compact_group(store.layout, "outputs", "job-k")
+    assert report.groups == 0 and "another compactor holds the lock" in report.skipped[0]
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    assert compact_group(store.layout, "outputs", "job-k").groups == 1
+    assert not lock.exists()
+
+
+def test_telemetry_is_compacted_per_worker_and_stale_temp_files_are_removed(tmp_path):
+    store = Store(tmp_path)
+    for w in ("w1", "w2"):
+        with store.telemetry_buffer(w, flush_interval_s=0) as buf:
+            for i in range(5):
+                buf.append({"iteration": i, "ts": float(i), "job_ids": ["j"]})
+    stale = store.layout.tmp / "dead.x.parquet.tmp"
+    stale.write_bytes(b"half")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    before = _snapshot(tmp_path)
+    report = compact(tmp_path, grace_s=0, min_age_s=0)
+    assert report.groups == 2 and report.files_in == 10 and report.rows == 10
+    assert report.deleted == 10 + 1 and not stale.exists()
+    assert _snapshot(tmp_path) == before
+    tombstones = list(store.layout.gc.glob("*.json"))
+    assert tombstones == []
+    assert (tmp_path / "batchgen.duckdb").exists()  # compact() refreshes the catalog file
+
+
+def test_tombstones_list_what_was_merged(tmp_path):
+    store = Store(tmp_path)
+    _fill(store, "job-t", shards=1, parts=2)
+    compact_group(store.layout, "outputs", "job-t")
+    [tomb] = store.layout.gc.glob("outputs~job-t~*.json")
+    info = json.loads(tomb.read_text())
+    raw = [str(p) for p in _files(store.layout, "outputs", "job-t", "raw")]
+    assert info["kind"] == "outputs" and sorted(info["files"]) == raw
+
+
+def test_bench_runs_at_a_tiny_size(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    bench_main(["--requests", "200", "--shards", "4", "--iterations", "400", "--workers", "2", "--runs", "2",
+                "--runs-before", "1", "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["written"] == {"requests": 200, "iterations": 400}
+    phases = report["phases"]
+    assert phases["compacted, after gc"]["files"] < phases["raw parts"]["files"]
+    assert set(phases["raw parts"]["queries"]) == set(phases["compacted, after gc"]["queries"])
+    assert "job_latency" in capsys.readouterr().out
