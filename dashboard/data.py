@@ -34,7 +34,7 @@ class JobSummary:
     shards_completed: int  # shards whose attempt committed
     shards_failed: int  # shards out of retries
     shards_running: int  # shards with an attempt running now
-    rows_done: int  # committed output rows + finished requests of running attempts
+    rows_done: int  # rows finished: committed, or finished by an attempt still running
     output_tokens: int  # generated tokens of those rows
     prompt_tokens: int  # prompt tokens of the committed rows
     error_rows: int  # output rows with finish_reason 'error'

@@ -13,20 +13,23 @@ from __future__ import annotations
 
 # ---------------------------------------------------------------- jobs
 
-# Progress and totals of every job (or one: see JOB_SUMMARY). rows_done counts committed output rows
-# plus the finished requests of attempts still running.
+# Progress and totals of every job (or one: see JOB_SUMMARY). rows_done is the larger of the committed
+# output rows and the finished requests in `requests_live` (committed shards plus the latest attempt
+# of running ones). Each side counts distinct rows from one scan of its own, so neither overcounts;
+# adding committed rows to the uncommitted ones instead would count a shard twice when the two
+# scans of the commits (one per view) straddle its commit.
 _JOBS_SUMMARY = """
 WITH live AS (
     SELECT job_id, count(*) AS rows_live, coalesce(sum(output_tokens), 0) AS output_tokens_live
-    FROM requests_live WHERE NOT committed {live_filter} GROUP BY job_id
+    FROM requests_live {live_where} GROUP BY job_id
 ), errors AS (
     SELECT job_id, count(*) AS error_rows
-    FROM outputs WHERE finish_reason = 'error' {live_filter} GROUP BY job_id
+    FROM outputs WHERE finish_reason = 'error' {error_filter} GROUP BY job_id
 )
 SELECT j.job_id, j.status, j.model, j.num_requests, j.num_shards,
        j.shards_completed, j.shards_failed, j.shards_running,
-       (j.rows_done + coalesce(l.rows_live, 0))::BIGINT AS rows_done,
-       (j.output_tokens + coalesce(l.output_tokens_live, 0))::BIGINT AS output_tokens,
+       greatest(j.rows_done, coalesce(l.rows_live, 0))::BIGINT AS rows_done,
+       greatest(j.output_tokens, coalesce(l.output_tokens_live, 0))::BIGINT AS output_tokens,
        j.prompt_tokens::BIGINT AS prompt_tokens,
        coalesce(e.error_rows, 0) AS error_rows, j.error,
        epoch(j.submitted_at) AS submitted_ts, epoch(j.started_at) AS started_ts,
@@ -36,8 +39,9 @@ FROM jobs AS j LEFT JOIN live AS l USING (job_id) LEFT JOIN errors AS e USING (j
 ORDER BY j.submitted_at DESC NULLS LAST, j.job_id
 LIMIT $limit
 """
-JOBS_SUMMARY = _JOBS_SUMMARY.format(live_filter="", job_filter="")
-JOB_SUMMARY = _JOBS_SUMMARY.format(live_filter="AND job_id = $job_id", job_filter="WHERE j.job_id = $job_id")
+JOBS_SUMMARY = _JOBS_SUMMARY.format(live_where="", error_filter="", job_filter="")
+JOB_SUMMARY = _JOBS_SUMMARY.format(live_where="WHERE job_id = $job_id", error_filter="AND job_id = $job_id",
+                                   job_filter="WHERE j.job_id = $job_id")
 
 JOB_SHARDS = """
 SELECT shard_id, status, attempts, worker_id, num_requests, rows_done, output_tokens,

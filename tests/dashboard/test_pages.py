@@ -12,6 +12,7 @@ import pytest
 
 from dashboard import create_app
 from dashboard.formatting import fmt_duration, fmt_num, fmt_rate
+from engine.stats import RequestStats
 from jobs.store.layout import init_data_dir
 from jobs.store.parts import Store
 from jobs.store.schemas import JobRecord, ShardEvent
@@ -246,3 +247,28 @@ def test_queued_job_with_nothing_finished(tmp_path):
     assert (job["status"], job["live"], job["rows_done"], job["progress"]) == ("queued", True, 0, 0.0)
     assert job["output_tokens_per_s"] is None and job["eta_s"] is None and job["age_s"] >= 5
     assert b'data-live="1"' in client.get("/jobs/fresh").data
+
+
+def test_progress_of_a_running_attempt_shows_before_its_commit(tmp_path):
+    store = Store(tmp_path)
+    store.record_job(JobRecord("running-job", "tiny-random", 6, 2, time.time() - 10))
+    store.record_shard_events([ShardEvent("running-job", s, "queued", time.time()) for s in range(2)])
+    done = store.begin_attempt("running-job", 0, 1, "w1", num_requests=3)
+    rows = [{"request_id": str(i), "output_text": "x", "finish_reason": "length", "prompt_tokens": 4,
+             "output_tokens": 5, "error": None} for i in range(3)]
+    done.add_outputs(rows)
+    for i in range(3):
+        done.add_request(str(i), "length", RequestStats(time.time() - 3, time.time() - 3, time.time() - 2,
+                                                        time.time() - 1, 0, 4, 5))
+    done.commit()
+    running = store.begin_attempt("running-job", 1, 1, "w1", num_requests=3)
+    running.add_request("3", "stop", RequestStats(time.time() - 2, time.time() - 2, time.time() - 1,
+                                                  time.time(), 0, 4, 7))
+    running.flush()  # written, not committed
+    client = create_app({"TESTING": True, "DATA_DIR": tmp_path}).test_client()
+    job = as_json(client.get("/api/jobs/running-job"))["job"]
+    assert (job["status"], job["rows_done"], job["output_tokens"]) == ("running", 4, 22)
+    assert job["progress"] == pytest.approx(4 / 6) and job["eta_s"] > 0
+    committed = sql_one(tmp_path, "SELECT rows_done FROM jobs")["rows_done"]
+    live = sql_one(tmp_path, "SELECT count(*) AS n FROM requests_live WHERE job_id = 'running-job'")["n"]
+    assert (committed, live) == (3, 4)
