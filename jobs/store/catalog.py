@@ -14,15 +14,26 @@ Views (DESIGN.md "Views"; the `_bg_*` names are internal):
   for live progress; a killed attempt's rows show there until its retry starts writing.
 - `iterations`, `sweeps`: every written row (not tied to shard attempts).
 
-How a view stays correct while writers and the compactor work:
-- Each kind is one `read_parquet` over one glob (`store/tables/<kind>/**/*.parquet`), so a query sees
-  one set of files. A row is kept only from the first file (by path) that holds its raw part
-  (`_bg_part`): compacted files sort before raw parts, so the rows of a part counted once whether the
-  query saw the raw part, the compacted file, or both.
-- `outputs` / `requests` read the commits before the data: a commit is written after all its
-  attempt's parts are in place, so a commit seen implies all its parts are seen.
+How a view stays correct while writers and the compactor work. Nothing may depend on the order
+in which a query lists files: DuckDB's optimizer may scan one view's glob several times (it turns
+`x = min(x) OVER (...)` into a self-join, each side listing the directory anew), and a directory
+listing that runs while files are renamed in may return a newer file and miss an older one. What a
+listing does guarantee is every file that existed for all of it. So both rules are time fences
+against `now()`, the start of the query's transaction, which every scan of one query shares:
+
+- A commit counts once `committed_ts <= now() - clock skew`. Its attempt's parts were renamed into
+  place before `committed_ts`, so they existed before the query started: every scan lists them.
+- A compacted file counts once its name's time (taken just before its rename into place) plus
+  `ACTIVATION_DELAY_S` is <= now(). A file that some scans list and others miss was renamed in
+  during the query, so it does not count yet for it; the raw parts it merged still count, and they
+  are deleted only long after (`compact.GRACE_S`). Each raw part's rows (`_bg_part`) are taken from
+  the first active compacted file holding them, else from the raw part itself: counted once.
 - Every kind has a zero-row `_schema.parquet`, so an empty data dir gives zero rows, not an error.
 - Paths are absolute (resolved when the connection is made), so views work from any cwd.
+
+Clock skew between machines sharing DATA_DIR (set `BATCHGEN_STORE_CLOCK_SKEW_S`, default 0) must be
+below the fences; on one machine the commit fence costs nothing (a committed shard is visible to
+the next query).
 """
 
 from __future__ import annotations
@@ -41,6 +52,10 @@ log = logging.getLogger(__name__)
 
 USER_VIEWS = ("jobs", "shards", "outputs", "requests", "requests_live", "iterations", "sweeps")
 
+# a compacted file counts this long after it was named (see the module docstring)
+ACTIVATION_DELAY_S = float(os.environ.get("BATCHGEN_STORE_ACTIVATION_DELAY_S", "5"))
+CLOCK_SKEW_ENV = "BATCHGEN_STORE_CLOCK_SKEW_S"
+
 # version -> function(layout) upgrading a data dir written at that version to version + 1.
 # Version 1 is the first released layout; there is nothing older to migrate yet.
 MIGRATIONS: dict[int, object] = {}
@@ -50,17 +65,39 @@ def _q(path: str) -> str:
     return "'" + path.replace("'", "''") + "'"
 
 
+def clock_skew_s() -> float:
+    return float(os.environ.get(CLOCK_SKEW_ENV, "0") or 0)
+
+
+def _now_s() -> str:
+    """now() (the query's transaction start) in epoch seconds, minus the allowed clock skew."""
+    return f"(epoch_us(now()) / 1e6 - {clock_skew_s():.6f})"
+
+
 def _scan_sql(layout: Layout, kind: str) -> str:
-    """Every row of a kind once: from the first file (compacted before raw) holding its part."""
-    return (
-        f"SELECT * EXCLUDE (_bg_file) FROM read_parquet({_q(layout.glob(kind))}, union_by_name = true, "
-        "hive_partitioning = false, filename = '_bg_file') "
-        "QUALIFY _bg_file = min(_bg_file) OVER (PARTITION BY _bg_part)"
-    )
+    """Every row of a kind once: from the first active compacted file holding its part, else raw."""
+    compacted = str(layout.kind_dir(kind) / "compacted") + os.sep
+    # compacted names are c<10**16 - epoch_us>~<uid>.parquet (compact._compacted_name)
+    named_at = "(1e16 - CAST(regexp_extract(_bg_file, '/c([0-9]{16})~[^/]*$', 1) AS DOUBLE)) / 1e6"
+    return f"""
+WITH s AS (
+    SELECT *, starts_with(_bg_file, {_q(compacted)}) AS _bg_compacted
+    FROM read_parquet({_q(layout.glob(kind))}, union_by_name = true, hive_partitioning = false,
+                      filename = '_bg_file')
+), active AS (
+    SELECT _bg_part, min(_bg_file) AS _bg_file FROM s
+    WHERE _bg_compacted AND {named_at} + {ACTIVATION_DELAY_S + clock_skew_s():.6f} <= {_now_s()}
+    GROUP BY _bg_part
+)
+SELECT s.* EXCLUDE (_bg_file, _bg_compacted)
+FROM s LEFT JOIN active AS a ON a._bg_part = s._bg_part
+WHERE (a._bg_part IS NULL AND NOT s._bg_compacted) OR a._bg_file = s._bg_file
+"""
 
 
-_WINNERS = """
-SELECT * FROM _scan_commits
+def _winners_sql() -> str:
+    return f"""
+SELECT * FROM _scan_commits WHERE committed_ts <= {_now_s()}
 QUALIFY row_number() OVER (PARTITION BY job_id, shard_id ORDER BY committed_ts, _bg_attempt_id) = 1
 """
 
@@ -74,7 +111,6 @@ SELECT job_id, min(ts) AS cancel_ts, arg_min(reason, ts) AS cancel_reason
 FROM _scan_job_events WHERE event = 'cancel_requested' GROUP BY job_id
 """
 
-# commits first (see the module docstring: a seen commit implies its parts are seen)
 _OUTPUTS = """
 SELECT o.* EXCLUDE (_bg_shard_id, _bg_attempt_id, _bg_part)
 FROM _winners AS w JOIN _scan_outputs AS o ON o.job_id = w.job_id AND o._bg_attempt_id = w._bg_attempt_id
@@ -189,7 +225,7 @@ def view_definitions(layout: Layout) -> list[tuple[str, str]]:
     """(name, SELECT) of every view, in creation order: the one shared definition."""
     views = [(f"_scan_{kind}", _scan_sql(layout, kind)) for kind in KINDS]
     views += [
-        ("_winners", _WINNERS), ("_job_records", _JOB_RECORDS), ("_cancels", _CANCELS),
+        ("_winners", _winners_sql()), ("_job_records", _JOB_RECORDS), ("_cancels", _CANCELS),
         ("_shard_event_agg", _SHARD_EVENT_AGG),
         ("outputs", _OUTPUTS), ("requests", _REQUESTS), ("requests_live", _REQUESTS_LIVE),
         ("iterations", "SELECT * EXCLUDE (_bg_part) FROM _scan_iterations"),

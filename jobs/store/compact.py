@@ -9,11 +9,11 @@ one worker (iterations) or one sweep. Compacting a group:
    `compacted/<group>/c<16 digits>~<uid>.parquet` (newer names sort first);
 3. records the merged inputs in a tombstone under `store/gc/`, and deletes nothing.
 
-Readers stay correct at every instant: a view keeps a part's rows from the first file by path that
-holds them, and compacted files sort before raw parts, so a query that sees the new file, the old
-parts, or both counts every row once. `collect_garbage` deletes the inputs of a tombstone only after
-`grace_s` (default 10 minutes), far longer than any query the project runs (the dashboard's limit is
-seconds): a running query never has a file deleted under it.
+Readers stay correct at every instant (catalog.py explains the rule): a compacted file counts only
+`ACTIVATION_DELAY_S` after its rename, and then its rows replace those of the parts it merged; until
+then the parts count. `collect_garbage` deletes the inputs of a tombstone only after `grace_s`
+(default 10 minutes), far longer than any query the project runs (the dashboard's limit is seconds):
+a running query never has a file deleted under it.
 
 Compaction is physical only: the rows, and so every view's answer, are the same before and after.
 """
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import duckdb
 
+from jobs.store import catalog
 from jobs.store.catalog import connect, write_catalog
 from jobs.store.layout import Layout, StoreError, check_id, init_data_dir, new_uid, write_atomic
 from jobs.store.schemas import JOB_KINDS
@@ -121,16 +122,21 @@ def compact_group(layout: Layout, kind: str, group: str, *, min_age_s: float = 0
         inputs = _inputs(layout, kind, group, min_age_s)
         if len(inputs) < 2 and not any(p.parent.parent.name == "raw" for p in inputs):
             return report  # nothing, or one file that is already compacted
-        out = layout.compacted_dir(kind, group) / _compacted_name()
-        report.rows = _merge(layout, kind, inputs, out)
+        report.rows = _merge(layout, kind, inputs, layout.compacted_dir(kind, group))
         _write_tombstone(layout, kind, group, inputs)
         report.groups, report.files_in = 1, len(inputs)
     return report
 
 
 def collect_garbage(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S) -> int:
-    """Delete the inputs of compactions older than `grace_s`, and stale temporary files; how many."""
+    """Delete the inputs of compactions older than `grace_s`, and stale temporary files; how many.
+
+    Never before the compacted file that replaces them counts in the views (`ACTIVATION_DELAY_S`
+    plus the clock skew), whatever `grace_s` says; the default grace also lets every query that
+    started before that moment finish.
+    """
     layout = init_data_dir(data_dir)
+    grace_s = max(grace_s, catalog.ACTIVATION_DELAY_S + catalog.clock_skew_s())
     deleted = 0
     now = time.time()
     for tomb in sorted(layout.gc.glob("*.json")):
@@ -190,15 +196,16 @@ def _merged_already(layout: Layout, kind: str, group: str) -> set[str]:
 
 
 def _compacted_name() -> str:
-    # newer files get smaller numbers, so they sort first among a group's compacted files
+    """c<10**16 - epoch_us>~<uid>.parquet: the views read the time back from the name (a compacted
+    file counts ACTIVATION_DELAY_S after it), and newer files sort first within a group."""
     return f"c{10**16 - time.time_ns() // 1000:016d}~{new_uid()}.parquet"
 
 
-def _merge(layout: Layout, kind: str, inputs: list[Path], out: Path) -> int:
-    """Write the deduplicated union of `inputs` to `out` (temp name, then rename); rows written."""
+def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> int:
+    """Write the deduplicated union of `inputs` into out_dir (temp name, then rename); rows written."""
     files = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in inputs) + "]"
     order = f" ORDER BY {_SORT[kind]}" if kind in _SORT else ""
-    tmp = layout.tmp / f"{new_uid()}.{out.name}.tmp"
+    tmp = layout.tmp / f"{new_uid()}.compacted.tmp"
     select = (f"SELECT * EXCLUDE (_bg_file) FROM read_parquet({files}, union_by_name = true, "
               "hive_partitioning = false, filename = '_bg_file') "
               f"QUALIFY _bg_file = min(_bg_file) OVER (PARTITION BY _bg_part){order}")
@@ -208,8 +215,8 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out: Path) -> int:
         rows = con.execute(f"SELECT count(*) FROM read_parquet('{tmp}')").fetchall()[0][0]
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, out_dir / _compacted_name())  # named at the last moment: see _compacted_name
     finally:
         con.close()
         if tmp.exists():

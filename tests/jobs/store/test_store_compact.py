@@ -6,12 +6,21 @@ import json
 import os
 import time
 
+import pytest
+
+from jobs.store import catalog
 from jobs.store.bench import main as bench_main
 from jobs.store.catalog import connect
 from jobs.store.compact import collect_garbage, compact, compact_group, compact_job
 from jobs.store.layout import Layout
 from jobs.store.parts import Store
 from jobs.store.schemas import JobRecord
+
+
+@pytest.fixture(autouse=True)
+def compacted_files_count_at_once(monkeypatch):
+    """Single-process tests: no reader races us, so compacted files may count (and GC run) at once."""
+    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)
 
 
 def _fill(store: Store, job_id: str, shards: int = 3, parts: int = 3, commit: bool = True) -> None:
@@ -54,6 +63,28 @@ def test_compacting_a_finished_job_merges_its_parts_and_keeps_answers(tmp_path):
     assert _snapshot(tmp_path) == before
     assert store.committed("job-a", 1).num_outputs == 3  # workers still find commits once compacted
     assert compact_job(tmp_path, "job-a").groups == 0  # nothing new
+
+
+def test_a_compacted_file_counts_only_after_its_activation_delay(tmp_path, monkeypatch):
+    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 1.5)
+    store = Store(tmp_path)
+    _fill(store, "job-v")
+    before = _snapshot(tmp_path)
+    compact_job(tmp_path, "job-v")
+    assert collect_garbage(tmp_path, grace_s=0) == 0  # never before the replacement counts
+    # prove which files a view reads: hide the raw parts for a moment
+    raw = _files(store.layout, "outputs", "job-v", "raw")
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    for p in raw:
+        p.rename(hidden / p.name)
+    assert _snapshot(tmp_path)["outputs"] == []  # the compacted file does not count yet
+    time.sleep(1.6)
+    assert _snapshot(tmp_path) == before  # now it does, in place of the parts
+    for p in raw:
+        (hidden / p.name).rename(p)
+    assert _snapshot(tmp_path) == before  # and parts it holds are not counted twice
+    assert collect_garbage(tmp_path, grace_s=0) > 0
 
 
 def test_running_jobs_are_left_alone_unless_forced(tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import store_workers as sw
 
+from jobs.store import catalog
 from jobs.store.catalog import connect
 from jobs.store.compact import collect_garbage, compact, compact_job, compact_telemetry
 from jobs.store.parts import ShardAttempt, Store
@@ -116,7 +117,10 @@ def _fill_finished_jobs(data_dir: Path, jobs: int = 3, shards: int = 6) -> None:
                             "job_ids": [job_id]})
 
 
-def test_compaction_racing_with_readers_keeps_every_answer(tmp_path):
+def test_compaction_racing_with_readers_keeps_every_answer(tmp_path, monkeypatch):
+    # compacted files count 1 s after their rename (5 s by default), in the readers and here
+    monkeypatch.setenv("BATCHGEN_STORE_ACTIVATION_DELAY_S", "1.0")
+    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 1.0)
     data_dir = tmp_path / "data"
     _fill_finished_jobs(data_dir)
     before = _answers(data_dir)
@@ -141,12 +145,12 @@ def test_compaction_racing_with_readers_keeps_every_answer(tmp_path):
     zombie.flush()
     report = compact(data_dir, min_age_s=0)
     assert report.groups == 1 and report.files_in == 2 and report.deleted == 0
-    time.sleep(0.5)
+    time.sleep(1.5)  # the readers go on while the compacted files start to count
     seen = _stop_reader(reader, stop, result)
     assert seen["n_errors"] == 0, seen["errors"]
     assert seen["passes"] >= 2
 
-    assert collect_garbage(data_dir, grace_s=0) > 0
+    assert collect_garbage(data_dir, grace_s=0) > 0  # the compacted files count: inputs can go
     raw_left = [p for p in (data_dir / "store" / "tables").rglob("raw/*/*.parquet")]
     assert raw_left == []
     assert _answers(data_dir) == before
