@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 
 from engine.stats import IterationStats, RequestStats
 from jobs.store import schemas
+from jobs.store.catalog import write_catalog
 from jobs.store.layout import (
     Layout,
     StoreError,
@@ -470,6 +471,8 @@ class Store:
         _check_int("num_shards", record.num_shards, 0)
         _check_int("num_requests", record.num_requests, 0)
         self._write_records("job_records", record.job_id, record.job_id, [schemas.record_row(record)])
+        if not self.layout.catalog.exists():  # a first job: give `duckdb DATA_DIR/batchgen.duckdb` its views
+            write_catalog(self.layout.root)
 
     def request_cancel(self, job_id: str, reason: str = "", ts: float | None = None) -> None:
         """Ask for a job to be cancelled: its shards that have not completed show as cancelled."""
@@ -499,8 +502,8 @@ class Store:
 
         Workers use it to skip a shard that is already done (tasks are idempotent).
         """
-        commits = _read_commits(self.layout, check_id("job_id", job_id))
-        rows = [r for r in commits if r["shard_id"] == shard_id]
+        rows = [r for r in _read_commits(self.layout, check_id("job_id", job_id), shard_id)
+                if r["shard_id"] == shard_id]
         if not rows:
             return None
         best = min(rows, key=lambda r: (r["committed_ts"], r[ATTEMPT_ID_COLUMN]))
@@ -514,12 +517,16 @@ class Store:
         return PartWriter(self.layout, kind, group, prefix).write(table)
 
 
-def _read_commits(layout: Layout, job_id: str) -> list[dict]:
-    """Every commit row of a job, raw or compacted (retrying if compaction removes a file meanwhile)."""
-    pattern = str(layout.kind_dir("commits") / "*" / job_id / "*.parquet")
+def _read_commits(layout: Layout, job_id: str, shard_id: int) -> list[dict]:
+    """Commit rows of a job's shard: its raw commit parts (found by name) and the job's compacted
+    commit files (retrying if garbage collection removes a file meanwhile)."""
+    kind_dir = layout.kind_dir("commits")
+    patterns = (str(kind_dir / "raw" / job_id / f"{job_id}~s{shard_id:06d}~*.parquet"),
+                str(kind_dir / "compacted" / job_id / "*.parquet"))
     for _ in range(5):
+        paths = sorted(path for pattern in patterns for path in glob.glob(pattern))
         try:
-            return [row for path in sorted(glob.glob(pattern)) for row in pq.read_table(path).to_pylist()]
+            return [row for path in paths for row in pq.read_table(path).to_pylist()]
         except FileNotFoundError:
             continue
     raise StoreError(f"commits of job {job_id} keep disappearing under {layout.kind_dir('commits')}")

@@ -128,25 +128,35 @@ OUTPUTS = _schema(
     (SHARD_COLUMN, I64), (ATTEMPT_ID_COLUMN, STR), (PART_COLUMN, STR),
 )
 
-_REQUEST_TIMING = [(name, F64) for name in (
-    "arrival_ts", "scheduled_ts", "first_token_ts", "finished_ts", "queue_s", "ttft_s", "e2e_s", "tpot_s",
-)]
-REQUESTS = _schema(
-    ("job_id", STR), ("shard_id", I64), ("request_id", STR), ("worker_id", STR), ("attempt", I64),
-    ("prompt_tokens", I64), ("output_tokens", I64), ("finish_reason", STR), *_REQUEST_TIMING,
-    ("num_preemptions", I64), (ATTEMPT_ID_COLUMN, STR), (PART_COLUMN, STR),
-)
+_ARROW_OF_ANNOTATION = {"bool": pa.bool_(), "int": I64, "float": F64, "str": STR, "list[str]": pa.list_(STR)}
 
 
-def _iteration_columns() -> list[tuple[str, pa.DataType]]:
+def _stats_columns(stats: object) -> list[tuple[str, pa.DataType]]:
+    """Columns of an engine stats dataclass's `as_row()`: the engine owns these names and types.
+
+    A field's type comes from its annotation ("int", "float | None", "list[str]", ...); a computed
+    entry (a property such as ttft_s) from its value.
+    """
+    hints = {name: str(ann) for name, ann in getattr(type(stats), "__annotations__", {}).items()}
     cols = []
-    for name, value in IterationStats().as_row().items():
-        typ = {str: STR, int: I64, float: F64, list: pa.list_(STR)}[type(value)]
-        cols.append((name, typ))
+    for name, value in stats.as_row().items():  # type: ignore[attr-defined]
+        hint = hints.get(name, type(value).__name__).replace(" ", "").replace("|None", "")
+        if hint not in _ARROW_OF_ANNOTATION:
+            raise TypeError(f"{type(stats).__name__}.{name}: no Parquet column type for {hint!r}")
+        cols.append((name, _ARROW_OF_ANNOTATION[hint]))
     return cols
 
 
-ITERATIONS = _schema(*_iteration_columns(), (PART_COLUMN, STR))
+_REQUEST_STATS = dict(_stats_columns(RequestStats()))
+REQUESTS = _schema(  # DESIGN.md's order first, then the rest of RequestStats
+    ("job_id", STR), ("shard_id", I64), ("request_id", STR), ("worker_id", STR),
+    ("prompt_tokens", _REQUEST_STATS.pop("prompt_tokens")),
+    ("output_tokens", _REQUEST_STATS.pop("output_tokens")),
+    ("finish_reason", STR), *_REQUEST_STATS.items(),
+    ("attempt", I64), (ATTEMPT_ID_COLUMN, STR), (PART_COLUMN, STR),
+)
+
+ITERATIONS = _schema(*_stats_columns(IterationStats()), (PART_COLUMN, STR))
 
 COMMITS = _schema(
     ("job_id", STR), ("shard_id", I64), ("attempt", I64), (ATTEMPT_ID_COLUMN, STR), ("worker_id", STR),
