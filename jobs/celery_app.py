@@ -24,6 +24,7 @@ from jobs.broker import BrokerSettings
 log = logging.getLogger(__name__)
 
 TASK_NAME = "batchgen.run_shard"
+MAX_DELIVERY_RETRIES = 10  # retries of a delivery that failed before its shard attempt began
 
 
 def celery_config(settings: BrokerSettings) -> dict:
@@ -89,7 +90,13 @@ def run_shard(self, job_id: str, shard_id: int, shard_path: str, data_dir: str) 
     from jobs.shard_runner import ShardTask, process_shard
 
     task = ShardTask(job_id, shard_id, shard_path, data_dir, retries=self.request.retries)
-    outcome = process_shard(task, current_runtime())
+    try:
+        outcome = process_shard(task, current_runtime())
+    except Exception as exc:  # before an attempt began (data dir unreachable, ...): do not lose the message
+        if self.request.retries >= MAX_DELIVERY_RETRIES:
+            raise
+        log.warning("shard %s/%d could not start (%s); retrying", job_id, shard_id, exc)
+        raise self.retry(exc=exc, countdown=min(2.0 * 2 ** self.request.retries, 300.0)) from exc
     log.info("shard %s/%d: %s", job_id, shard_id, outcome.describe())
     if outcome.result == "handed_back":
         raise Reject(outcome.reason, requeue=True)

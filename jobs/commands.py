@@ -289,7 +289,10 @@ def run(prompts: str, data_dir: str, output: str | None, workers: int, concurren
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("--requeue/--no-requeue", default=True, show_default=True,
               help="Re-queue shards whose worker died (jobs on the broker in force).")
-def status(job_id: str | None, data_dir: str, fmt: str, requeue: bool) -> None:
+@click.option("--output", type=click.Path(dir_okay=False),
+              help="With JOB: write its output Parquet (every input row once, input order); the job must be "
+                   "finished.")
+def status(job_id: str | None, data_dir: str, fmt: str, requeue: bool, output: str | None) -> None:
     """Progress of every job, or of one job and its shards (like OpenAI Batch's request_counts)."""
     from jobs.status import job_status, jobs_status, render_job, render_jobs
 
@@ -299,12 +302,26 @@ def status(job_id: str | None, data_dir: str, fmt: str, requeue: bool) -> None:
     if requeue:
         _requeue(data_dir, job_id)
     if job_id is None:
+        if output:
+            raise click.UsageError("--output needs a JOB")
         rows = jobs_status(data_dir)
         click.echo(json.dumps(rows, indent=1, default=str) if fmt == "json" else render_jobs(rows))
         return
     manifest = _manifest(data_dir, job_id)
     info = job_status(manifest)
     click.echo(json.dumps(info, indent=1, default=str) if fmt == "json" else render_job(info))
+    if output:
+        _export(manifest, output)
+
+
+def _export(manifest, output: str) -> None:
+    from jobs.export import ExportError, export_job
+
+    try:
+        table = export_job(manifest, output)
+    except ExportError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"wrote {table.num_rows} rows to {Path(output).expanduser().resolve()}", err=True)
 
 
 def _requeue(data_dir: str, job_id: str | None) -> None:

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -201,6 +202,7 @@ class Lease:
         self.leases = leases
         self.shard_id = shard_id
         self.state = state
+        self._lock = threading.Lock()  # heartbeats (housekeeping thread) vs end (task thread)
 
     @property
     def attempt(self) -> int:
@@ -213,23 +215,30 @@ class Lease:
         os.replace(tmp, path)
 
     def heartbeat(self, rows_done: int | None = None, output_tokens: int | None = None) -> None:
-        if self.state.state != "running":
-            return
-        self.state.heartbeat_ts = time.time()
-        if rows_done is not None:
-            self.state.rows_done = rows_done
-        if output_tokens is not None:
-            self.state.output_tokens = output_tokens
-        self.write()
+        with self._lock:
+            if self.state.state != "running":
+                return  # ended: a late heartbeat must not overwrite the final state
+            self.state.heartbeat_ts = time.time()
+            if rows_done is not None:
+                self.state.rows_done = rows_done
+            if output_tokens is not None:
+                self.state.output_tokens = output_tokens
+            self.write()
 
     def superseded(self) -> bool:
         """A newer attempt was claimed: this one was presumed dead and must not commit."""
         attempts = self.leases.claimed_attempts().get(self.shard_id, [])
         return bool(attempts) and attempts[-1] > self.attempt
 
-    def end(self, state: str, note: str = "", retry_at: float = 0.0) -> None:
+    def end(self, state: str, note: str = "", retry_at: float = 0.0, rows_done: int | None = None,
+            output_tokens: int | None = None) -> None:
         if state not in ENDED:
             raise ValueError(f"lease end state must be one of {ENDED}, got {state!r}")
-        self.state.state, self.state.note, self.state.retry_at = state, note, retry_at
-        self.state.heartbeat_ts = time.time()
-        self.write()
+        with self._lock:
+            self.state.state, self.state.note, self.state.retry_at = state, note, retry_at
+            self.state.heartbeat_ts = time.time()
+            if rows_done is not None:
+                self.state.rows_done = rows_done
+            if output_tokens is not None:
+                self.state.output_tokens = output_tokens
+            self.write()

@@ -13,11 +13,12 @@ shards of dead workers (`jobs.supervise.requeue_dead_shards`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,12 +192,12 @@ class EngineLoop:
 
 @dataclass
 class _Held:
-    """A shard attempt this worker runs now."""
+    """A shard attempt this worker holds now (its lease is kept alive until it ends)."""
 
-    run: ShardRun
+    job_id: str
     lease: Lease
     cancel_marker: Path  # the job's cancel marker file
-    cancel_sent: bool = False
+    run: ShardRun | None = None  # set while its requests are in the engine
 
 
 class WorkerRuntime:
@@ -257,22 +258,30 @@ class WorkerRuntime:
             raise RuntimeError(f"job {manifest.job_id} wants model {manifest.model!r}; worker "
                                f"{self.worker_id} serves {self.config.model!r}")
 
-    def run_shard(self, job_id: str, key: str, requests: list[EngineRequest], lease: Lease,
-                  cancel_marker: Path) -> ShardRun:
+    @contextlib.contextmanager
+    def holding(self, job_id: str, lease: Lease, cancel_marker: Path) -> Iterator[None]:
+        """Keep `lease` alive (heartbeats with progress) for as long as the attempt lasts."""
+        key = f"{job_id}:{lease.shard_id}:{lease.attempt}"
+        with self._lock:
+            self._held[key] = _Held(job_id, lease, cancel_marker)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held.pop(key, None)
+
+    def run_shard(self, job_id: str, key: str, requests: list[EngineRequest]) -> ShardRun:
         """Hand a shard attempt's requests to the engine and wait until every one finished."""
         if not self.loop.alive:
             raise RuntimeError(f"worker {self.worker_id}: the engine loop is not running")
         run = ShardRun(job_id, key, requests)
         with self._lock:
-            self._held[key] = _Held(run, lease, cancel_marker)
-        try:
-            self.loop.submit(run)
-            while not run.done.wait(1.0):
-                if not self.loop.alive:
-                    run.fail("the engine loop stopped")
-        finally:
-            with self._lock:
-                self._held.pop(key, None)
+            if key in self._held:
+                self._held[key].run = run
+        self.loop.submit(run)
+        while not run.done.wait(1.0):
+            if not self.loop.alive:
+                run.fail("the engine loop stopped")
         return run
 
     # -- housekeeping
@@ -297,13 +306,16 @@ class WorkerRuntime:
             self._on_fatal()
 
     def _tend(self, h: _Held) -> None:
+        run = h.run
         try:
-            h.lease.heartbeat(h.run.rows_done, h.run.output_tokens)
-            if not h.cancel_sent and h.cancel_marker.exists():
-                h.cancel_sent = True
-                self.loop.abort_job(h.run.job_id)
+            if run is None:
+                h.lease.heartbeat()
+                return
+            h.lease.heartbeat(run.rows_done, run.output_tokens)
+            if not run.done.is_set() and h.cancel_marker.exists():
+                self.loop.abort_job(h.job_id)  # repeated each tick: also catches requests admitted late
         except OSError:
-            log.exception("heartbeat of %s failed", h.run.key)
+            log.exception("heartbeat of job %s shard %d failed", h.job_id, h.lease.shard_id)
 
     def _run_janitor(self) -> None:
         try:

@@ -89,7 +89,8 @@ def process_shard(task: ShardTask, runtime: WorkerRuntime) -> ShardOutcome:
     attempt = store.begin_attempt(task.job_id, task.shard_id, lease.attempt, runtime.worker_id,
                                   num_requests=info.num_requests, flush_interval_s=10.0)
     try:
-        return _run_attempt(task, manifest, paths, runtime, lease, attempt)
+        with runtime.holding(task.job_id, lease, paths.cancel_marker):
+            return _run_attempt(task, manifest, runtime, lease, attempt)
     except Exception as exc:  # noqa: BLE001 - any failure of an attempt is retried, then reported
         log.warning("shard %s/%d attempt %d failed:\n%s", task.job_id, task.shard_id, lease.attempt,
                     traceback.format_exc())
@@ -110,15 +111,15 @@ def _record_cancelled(store: Store, task: ShardTask) -> None:
                                           error="job cancelled before this shard ran")])
 
 
-def _run_attempt(task: ShardTask, manifest: JobManifest, paths: JobPaths, runtime: WorkerRuntime,
-                 lease: Lease, attempt: ShardAttempt) -> ShardOutcome:
+def _run_attempt(task: ShardTask, manifest: JobManifest, runtime: WorkerRuntime, lease: Lease,
+                 attempt: ShardAttempt) -> ShardOutcome:
     runtime.check_model(manifest)
     info = manifest.shard(task.shard_id)
     table = read_shard(task.shard_path or info.path, info.num_requests)
     rows = table.to_pylist()
     key = f"{task.job_id}:{task.shard_id}:{lease.attempt}"
     requests, errors = _requests(rows, manifest.sampling_defaults, key)
-    run = runtime.run_shard(task.job_id, key, requests, lease, paths.cancel_marker)
+    run = runtime.run_shard(task.job_id, key, requests)
     if lease.superseded():
         attempt.fail("superseded: a newer attempt was started while this one was presumed dead")
         lease.end("superseded")
@@ -127,7 +128,7 @@ def _run_attempt(task: ShardTask, manifest: JobManifest, paths: JobPaths, runtim
         raise RuntimeError(run.error)
     _write_rows(attempt, rows, run, errors, manifest.extra_columns, table.schema, key)
     record = attempt.commit()
-    lease.end("committed")
+    lease.end("committed", rows_done=record.num_outputs, output_tokens=record.output_tokens)
     result = "cancelled" if run.cancelled else "committed"
     return ShardOutcome(result, lease.attempt, record.num_outputs, record.output_tokens)
 

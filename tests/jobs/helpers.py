@@ -124,7 +124,9 @@ def delete_queue(settings: BrokerSettings) -> None:
     from kombu import Connection, Exchange, Queue
 
     with contextlib.suppress(Exception), Connection(settings.url, connect_timeout=3) as conn:
-        Queue(settings.queue, Exchange(settings.queue), settings.queue, channel=conn.default_channel).delete()
+        exchange = Exchange(settings.queue, channel=conn.default_channel)
+        Queue(settings.queue, exchange, settings.queue, channel=conn.default_channel).delete()
+        exchange.delete()
 
 
 def broker_for(kind: str, data_dir: Path, queue: str) -> BrokerSettings:
