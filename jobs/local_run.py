@@ -60,7 +60,7 @@ class LocalRun:
         self.workers: list[WorkerProcess] = []
 
     def run(self) -> int:
-        """Run the job to its end; the exit code (0 completed, 1 failed shards, 130 interrupted)."""
+        """Run the job to its end; the exit code: 0 completed, 1 failed or cancelled, 130 interrupted."""
         from jobs.submit import publish_job
 
         t0 = time.time()
@@ -90,7 +90,7 @@ class LocalRun:
         cmd = [sys.executable, "-m", "jobs.cli", "worker", *engine_flags(self.config),
                "--data-dir", self.manifest.data_dir, "--broker", "embedded", "--queue", self.broker.queue,
                "--concurrency", str(self.concurrency), "--worker-id", worker_id,
-               "--shard-timeout", str(self.broker.shard_timeout_s)]
+               "--shard-timeout", str(self.manifest.shard_timeout_s or self.broker.shard_timeout_s)]
         env = {k: v for k, v in os.environ.items() if k != BROKER_ENV}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -163,7 +163,7 @@ class LocalRun:
         else:
             sql = f"SELECT * FROM outputs WHERE job_id = '{self.manifest.job_id}'"
             click.echo(f'outputs: batchgen sql "{sql}" --data-dir {self.manifest.data_dir}')
-        return 1 if summary.shards_failed else 0
+        return 0 if summary.status == "completed" else 1
 
 
 def _show(bar, progress: JobProgress, gen_start: float | None) -> None:
