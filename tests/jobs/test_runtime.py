@@ -145,3 +145,21 @@ def test_engine_failure_fails_the_shards_in_it_and_the_engine_is_rebuilt(runtime
     ok = ShardRun("j2", "j2:0:2", [EngineRequest("j2:0:2:0", "hello", None, SamplingParams(max_tokens=2))])
     runtime.loop.submit(ok)
     assert ok.done.wait(30) and ok.error is None and ok.rows_done == 1
+
+
+def test_chat_messages_rows_use_the_chat_template(runtime, data_dir, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    conversations = [[{"role": "user", "content": "hi"}], [{"role": "system", "content": "be brief"},
+                                                           {"role": "user", "content": "name a color"}]]
+    src = tmp_path / "chat.parquet"
+    pq.write_table(pa.table({"messages": conversations, "stop": [None, "\n"]}), src)
+    req = JobRequest(str(src), str(data_dir), {"model": MODEL}, {"max_tokens": 8, "temperature": 0.0}, 2)
+    m = prepare_job(req, resolve_broker(data_dir, embedded=True))
+    assert process_shard(_task(m, 0), runtime).result == "committed"
+    ref = LLM(MODEL).chat(conversations, [SamplingParams(max_tokens=8, temperature=0.0),
+                                          SamplingParams(max_tokens=8, temperature=0.0, stop=["\n"])])
+    rows = outputs_of(data_dir, m.job_id)
+    assert [(r["output_text"], r["finish_reason"], r["prompt_tokens"]) for r in rows] == \
+        [(o.text, o.finish_reason, len(o.prompt_token_ids)) for o in ref]
