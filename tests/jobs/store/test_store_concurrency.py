@@ -7,13 +7,12 @@ import multiprocessing
 import time
 from pathlib import Path
 
-import store_workers as sw
-
 from jobs.store import catalog
 from jobs.store.catalog import connect
 from jobs.store.compact import collect_garbage, compact, compact_job, compact_telemetry
 from jobs.store.parts import ShardAttempt, Store
 from jobs.store.usersql import run_query
+from tests.jobs.store import store_workers as sw
 
 SPAWN = multiprocessing.get_context("spawn")
 
