@@ -80,13 +80,13 @@ def build_table(rows: Rows, schema: pa.Schema, *, kind: str, extra: bool = False
     if isinstance(rows, pa.RecordBatch):
         rows = pa.Table.from_batches([rows])
     if isinstance(rows, pa.Table):
-        columns, names = _columns_from_table(rows, schema, kind)
+        columns, num_rows = {name: rows.column(name) for name in rows.column_names}, rows.num_rows
     else:
-        columns, names = _columns_from_dicts(rows, schema, kind)
-    unknown = [n for n in names if n not in schema.names]
+        columns, num_rows = _columns_from_dicts(rows, kind), len(rows)
+    unknown = [n for n in columns if n not in schema.names]
     if unknown and not extra:
         raise StoreError(f"{kind} rows have unknown column(s) {unknown}; allowed: {schema.names}")
-    arrays = [_base_array(columns, f, kind, _num_rows(columns, rows)) for f in schema]
+    arrays = [_base_array(columns, f, kind, num_rows) for f in schema]
     fields = list(schema)
     for name in unknown:
         if name.startswith(INTERNAL_PREFIX):
@@ -97,22 +97,14 @@ def build_table(rows: Rows, schema: pa.Schema, *, kind: str, extra: bool = False
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
 
 
-def _num_rows(columns: dict, rows: Rows) -> int:
-    return rows.num_rows if isinstance(rows, pa.Table) else len(rows)
-
-
-def _columns_from_dicts(rows: Sequence[Mapping], schema: pa.Schema, kind: str) -> tuple[dict, list[str]]:
+def _columns_from_dicts(rows: Sequence[Mapping], kind: str) -> dict[str, list]:
+    """Column name -> values, names in first-seen order (a row without a column gives None)."""
     names: dict[str, None] = {}
     for i, row in enumerate(rows):
         if not isinstance(row, Mapping):
             raise StoreError(f"{kind} row {i} is a {type(row).__name__}, not a mapping of column -> value")
         names.update(dict.fromkeys(row))
-    columns = {name: [row.get(name) for row in rows] for name in names}
-    return columns, list(names)
-
-
-def _columns_from_table(table: pa.Table, schema: pa.Schema, kind: str) -> tuple[dict, list[str]]:
-    return {name: table.column(name) for name in table.column_names}, table.column_names
+    return {name: [row.get(name) for row in rows] for name in names}
 
 
 def _base_array(columns: dict, fld: pa.Field, kind: str, n: int) -> pa.Array:
