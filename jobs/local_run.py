@@ -147,10 +147,14 @@ class LocalRun:
 
     # -- the end
     def _finish(self, progress: JobProgress, elapsed_s: float) -> int:
+        from jobs.store.catalog import write_catalog
+        from jobs.store.compact import compact_job
         from jobs.summary import job_summary
 
         summary = job_summary(self.manifest)
         click.echo(summary.render(elapsed_s))
+        compact_job(self.manifest.data_dir, self.manifest.job_id)  # fewer files: fast queries from now on
+        write_catalog(self.manifest.data_dir)
         if self.manifest.output_path:
             from jobs.export import ExportError, export_job
 

@@ -9,7 +9,9 @@ lost) is published again once its lease is dead, whatever the broker did with it
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,3 +185,24 @@ def retries_used(leases: ShardLeases, shard_id: int, attempts: list[int]) -> int
         elif st.state == "retrying":
             used += 1
     return used
+
+
+def compact_every_s() -> float:
+    """How often a worker compacts the store (telemetry parts, finished jobs, garbage): env
+    BATCHGEN_COMPACT_EVERY_S, default 60 s. Without it every dashboard query reads every small part."""
+    return float(os.environ.get("BATCHGEN_COMPACT_EVERY_S", "60"))
+
+
+def maintenance(data_dir: str, settings: BrokerSettings) -> Callable[[], None]:
+    """The worker janitor: re-queue dead workers' shards each call, compact the store now and then."""
+    from jobs.store.compact import compact
+
+    last = [time.monotonic()]
+
+    def run() -> None:
+        requeue_dead_shards(data_dir, settings)
+        if time.monotonic() - last[0] >= compact_every_s():
+            last[0] = time.monotonic()
+            compact(data_dir)
+
+    return run

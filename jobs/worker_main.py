@@ -37,12 +37,11 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
 
     from jobs.celery_app import make_app
     from jobs.runtime import WorkerRuntime, set_runtime
-    from jobs.supervise import requeue_dead_shards
+    from jobs.supervise import maintenance
 
     app = make_app(settings)
     try:
-        runtime = WorkerRuntime(config, worker_id, data_dir,
-                                janitor=lambda: requeue_dead_shards(data_dir, settings),
+        runtime = WorkerRuntime(config, worker_id, data_dir, janitor=maintenance(data_dir, settings),
                                 on_fatal=lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
     except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot be found or loaded
         log.error("worker %s cannot start its engine: %s", worker_id, exc)

@@ -119,6 +119,9 @@ def test_run_end_to_end_writes_every_row_once_in_input_order(tmp_path):
         params = [SamplingParams(max_tokens=5 if i == 4 else 12, temperature=0.0) for i in ok]
         ref = LLM(MODEL, max_model_len=64).generate([texts[i] for i in ok], params)
     assert [table[i]["output_text"] for i in ok] == [o.text for o in ref]
+    # the finished job was compacted: one file per kind instead of a part per flush
+    compacted = list((tmp_path / "data" / "store" / "tables").glob("outputs/compacted/*/*.parquet"))
+    assert len(compacted) == 1
 
 
 @pytest.mark.slow
