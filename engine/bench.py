@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 
 import click
 
+from engine.cli_options import engine_config, engine_options
 from engine.sampling_params import SamplingParams
 
 
@@ -191,26 +192,6 @@ def parse_range(value: str, flag: str) -> tuple[int, int]:
     return lo, hi
 
 
-def engine_options(f):
-    """The engine-limit flags, vLLM names, shared by bench and sweep."""
-    opts = [
-        click.option("--model", default="smollm2-135m", show_default=True),
-        click.option("--max-num-seqs", type=int, default=64, show_default=True),
-        click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True),
-        click.option("--max-model-len", type=int, default=None),
-        click.option("--block-size", type=int, default=16, show_default=True),
-        click.option("--num-kv-blocks", type=int, default=None),
-        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=True, show_default=True),
-        click.option("--enable-prefix-caching", is_flag=True, default=False),
-        click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), default="fcfs"),
-        click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32"),
-        click.option("--device", default="cpu", show_default=True),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
 def workload_options(f):
     opts = [
         click.option("--num-requests", type=int, default=128, show_default=True),
@@ -224,13 +205,12 @@ def workload_options(f):
     return f
 
 
-def build_llm(engine_kw: dict):
+def build_llm(config, checkpoint=None):
     from engine.llm import LLM
 
-    model = engine_kw.pop("model")
     try:
-        return LLM(model, **engine_kw)
-    except (LookupError, ValueError) as exc:  # unknown/unpulled model, bad file, bad engine flag
+        return LLM.from_config(config, checkpoint=checkpoint)
+    except (LookupError, ValueError) as exc:  # unknown/unpulled model, bad file
         raise click.UsageError(str(exc)) from None
 
 
@@ -246,7 +226,7 @@ def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, h
     """Benchmark the engine on a seeded synthetic workload (ignore_eos, greedy)."""
     prompt_lens = parse_range(prompt_len, "--prompt-len")
     output_lens = parse_range(output_len, "--output-len")
-    llm = build_llm(engine_kw)
+    llm = build_llm(engine_config(engine_kw))
     args = llm.engine.model_args
     workload = make_workload(num_requests, prompt_lens, output_lens, args.vocab_size, seed, shared_prefix)
     peak = measure_gemm_peak(llm.config.dtype, llm.config.device)
@@ -255,8 +235,7 @@ def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, h
     results = [run_engine(llm, workload, peak)]
     if baseline == "hf":
         model_dir = _hf_dir(llm.config.model)
-        del llm
-        results.append(run_hf_static(model_dir, workload, hf_batch_size, peak, args, engine_kw["dtype"]))
+        results.append(run_hf_static(model_dir, workload, hf_batch_size, peak, args, llm.config.dtype))
     _print(results, peak, workload, as_json)
 
 

@@ -26,6 +26,11 @@ class LLM:
         self.engine = LLMEngine(self.config, checkpoint=checkpoint,
                                 stat_loggers=[self.iteration_stats.append])
 
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, checkpoint=None) -> LLM:
+        fields = {k: v for k, v in vars(config).items() if k != "model"}
+        return cls(config.model, checkpoint=checkpoint, **fields)
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -20,13 +20,14 @@ import click
 from engine.bench import (
     BenchResult,
     Workload,
-    engine_options,
+    build_llm,
     make_workload,
     measure_gemm_peak,
     parse_range,
     run_engine,
     workload_options,
 )
+from engine.cli_options import engine_config, engine_options
 
 
 @dataclass
@@ -48,11 +49,11 @@ def parse_values(value: str, flag: str) -> list[int]:
     return values
 
 
-def run_sweep(make_llm, workload: Workload, base: dict, seqs_values: list[int], budget_values: list[int],
+def run_sweep(make_llm, workload: Workload, base, seqs_values: list[int], budget_values: list[int],
               repeats: int, peak: float, echo=click.echo) -> list[SweepPoint]:
     """Measure each configuration `repeats` times; make_llm(max_num_seqs, max_num_batched_tokens) -> LLM."""
-    plan = [("max_num_seqs", s, base["max_num_batched_tokens"]) for s in seqs_values]
-    plan += [("max_num_batched_tokens", base["max_num_seqs"], b) for b in budget_values]
+    plan = [("max_num_seqs", s, base.max_num_batched_tokens) for s in seqs_values]
+    plan += [("max_num_batched_tokens", base.max_num_seqs, b) for b in budget_values]
     points = []
     for swept, seqs, budget in plan:
         llm = make_llm(seqs, budget)
@@ -139,41 +140,39 @@ def _prompts_workload(path: str, sample: int, output_lens: tuple[int, int], toke
 def sweep(num_requests, prompt_len, output_len, shared_prefix, seed, max_num_seqs_values,
           max_num_batched_tokens_values, repeats, prompts_path, knee_gain, itl_slo_ms, data_dir, **engine_kw):
     """Sweep max_num_seqs and max_num_batched_tokens one at a time; record rows in the `sweeps` view."""
-    from engine.llm import LLM
+    from dataclasses import replace
 
     if repeats < 1:
         raise click.BadParameter("must be >= 1", param_hint="--repeats")
     seqs_values = parse_values(max_num_seqs_values, "--max-num-seqs-values")
     budget_values = parse_values(max_num_batched_tokens_values, "--max-num-batched-tokens-values")
     output_lens = parse_range(output_len, "--output-len")
-    model = engine_kw.pop("model")
-    base = dict(engine_kw)
-    checkpoint = _load(model)  # once: every configuration shares the same weights
-    first = _make_llm(LLM, model, base, base["max_num_seqs"], base["max_num_batched_tokens"], checkpoint)
+    base = engine_config(engine_kw)
+    checkpoint = _load(base.model)  # once: every configuration shares the same weights
+    first = build_llm(base, checkpoint)
     if prompts_path:
         workload = _prompts_workload(prompts_path, num_requests, output_lens, first.tokenizer, seed)
     else:
         workload = make_workload(num_requests, parse_range(prompt_len, "--prompt-len"), output_lens,
                                  first.engine.model_args.vocab_size, seed, shared_prefix)
     del first
-    peak = measure_gemm_peak(base["dtype"], base["device"])
+    peak = measure_gemm_peak(base.dtype, base.device)
     click.echo(f"workload: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt tokens, "
                f"{workload.output_tokens} output tokens; GEMM peak {peak / 1e9:.1f} GFLOP/s")
-    points = run_sweep(lambda s, b: _make_llm(LLM, model, base, s, b, checkpoint), workload, base,
-                       seqs_values, budget_values, repeats, peak)
+
+    def make_llm(seqs: int, budget: int):
+        try:
+            config = replace(base, max_num_seqs=seqs, max_num_batched_tokens=budget)
+        except ValueError as exc:
+            raise click.UsageError(f"engine flags: {exc}") from None
+        return build_llm(config, checkpoint)
+
+    points = run_sweep(make_llm, workload, base, seqs_values, budget_values, repeats, peak)
     sweep_id = uuid.uuid4().hex[:12]
     desc = {"num_requests": len(workload.prompts), "prompt_len": prompt_len, "output_len": output_len,
             "shared_prefix": shared_prefix, "seed": seed, "prompts": prompts_path, "repeats": repeats}
-    _record(data_dir, sweep_rows(points, sweep_id, model, desc))
+    _record(data_dir, sweep_rows(points, sweep_id, base.model, desc))
     _report(points, knee_gain, itl_slo_ms, sweep_id)
-
-
-def _make_llm(llm_cls, model, base, max_num_seqs, budget, checkpoint):
-    kw = dict(base, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
-    try:
-        return llm_cls(model, checkpoint=checkpoint, **kw)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
 
 
 def _load(model: str):

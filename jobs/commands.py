@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+from engine.cli_options import ENGINE_FIELDS, engine_config, engine_flags, engine_options
 from jobs.broker import (
     BROKER_ENV,
     DEFAULT_MAX_TOKENS,
@@ -29,26 +30,9 @@ from jobs.broker import (
 )
 from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
-# ---------------------------------------------------------------- shared options
+__all__ = ["ENGINE_FIELDS", "engine_config", "engine_flags", "engine_options"]  # re-exported for jobs.*
 
-_ENGINE_OPTIONS = [
-    click.option("--model", default="smollm2-135m", show_default=True,
-                 help="Registry name, Hugging Face directory, GGUF file or Hub id."),
-    click.option("--max-num-seqs", type=int, help="Sequence cap per iteration (default 64)."),
-    click.option("--max-num-batched-tokens", type=int, help="Token budget per iteration (default 2048)."),
-    click.option("--max-model-len", type=int, help="Prompt + output tokens per sequence."),
-    click.option("--block-size", type=int, help="Tokens per KV block (default 16)."),
-    click.option("--num-kv-blocks", type=int, help="KV blocks (default: from the KV memory budget)."),
-    click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
-                 help="Split long prompts across iterations (default on)."),
-    click.option("--enable-prefix-caching", is_flag=True, default=None, help="Reuse shared prefixes' KV."),
-    click.option("--scheduling-policy", type=click.Choice(["fcfs", "priority"]), help="Default fcfs."),
-    click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), help="Default float32."),
-    click.option("--device", help="cpu, cuda or cuda:N (default cpu)."),
-]
-ENGINE_FIELDS = ("model", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                 "num_kv_blocks", "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy",
-                 "dtype", "device")
+# ---------------------------------------------------------------- shared options
 
 _SAMPLING_OPTIONS = [
     click.option("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True,
@@ -89,35 +73,8 @@ def _apply(options):
     return decorate
 
 
-engine_options = _apply(_ENGINE_OPTIONS)
 sampling_options = _apply(_SAMPLING_OPTIONS)
 job_options = _apply(_JOB_OPTIONS)
-
-
-def engine_config(opts: dict):
-    """An EngineConfig from the engine flags given; a bad value is a usage error naming the flag."""
-    from engine.config import EngineConfig
-
-    given = {k: opts[k] for k in ENGINE_FIELDS if opts.get(k) is not None}
-    try:
-        return EngineConfig(**given)
-    except ValueError as exc:
-        raise click.UsageError(f"engine flags: {exc}") from None
-
-
-def engine_flags(config) -> list[str]:
-    """The `batchgen worker` flags that rebuild `config` (for worker subprocesses)."""
-    args = []
-    for name in ENGINE_FIELDS:
-        value = getattr(config, name)
-        flag = "--" + name.replace("_", "-")
-        if name == "enable_chunked_prefill":
-            args.append(flag if value else "--no-enable-chunked-prefill")
-        elif name == "enable_prefix_caching":
-            args += [flag] if value else []
-        elif value is not None:
-            args += [flag, str(value)]
-    return args
 
 
 def sampling_from(opts: dict) -> dict:
