@@ -3,6 +3,10 @@ cache, runs the model and returns logits for the sequences that sample this step
 
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+
 import torch
 
 from engine.model import ModelArgs, Transformer
@@ -19,6 +23,25 @@ def kv_block_bytes(args: ModelArgs, block_size: int, dtype: torch.dtype) -> int:
     return 2 * args.n_layers * block_size * args.n_kv_heads * args.head_dim * elem
 
 
+def keep_freed_memory_mapped() -> bool:
+    """Stop glibc from handing large freed blocks back to the OS (and page-faulting them in again).
+
+    Every step allocates activations of the same few sizes (MBs each); by default glibc mmaps and
+    unmaps each one, so every op on fresh memory first takes thousands of page faults. Raising the
+    mmap and trim thresholds keeps those blocks in the heap for reuse, as tcmalloc/jemalloc would.
+    Process-wide; off with BATCHGEN_MALLOPT=0. Returns whether it applied.
+    """
+    if os.environ.get("BATCHGEN_MALLOPT", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    mmap_ok = libc.mallopt(m_mmap_threshold, 1 << 30)
+    return bool(mmap_ok) and bool(libc.mallopt(m_trim_threshold, (1 << 31) - 1))
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, max_model_len: int) -> None:
         self.model = model
@@ -26,6 +49,8 @@ class ModelRunner:
         self.block_size = block_size
         w = model.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
+        if self.device.type == "cpu":
+            keep_freed_memory_mapped()
         shape = (num_blocks, block_size, self.args.n_kv_heads, self.args.head_dim)  # (N, B, Hkv, D)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
