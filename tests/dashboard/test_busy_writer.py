@@ -15,6 +15,12 @@ JOB = "busy"
 WORKER = "busy-worker"
 NUM_SHARDS = 400  # more than the writer gets through while the pages are read
 PER_SHARD = 4
+# Old files go only after a grace (the design's "old files removed later"; the store's default is
+# 600 s, and workers collect garbage once a minute). Here: the shortest grace the store allows and a
+# collection every second, so that files are deleted many times while the pages are read.
+QUERY_TIMEOUT_S = 2.0
+GRACE_S = 0.0
+GC_EVERY_S = 1.0
 
 
 def write_shard(store: Store, shard_id: int, telemetry) -> None:
@@ -34,19 +40,22 @@ def write_shard(store: Store, shard_id: int, telemetry) -> None:
     attempt.commit()
 
 
-def writer(data_dir, stop: threading.Event, errors: list) -> None:
+def writer(data_dir, stop: threading.Event, errors: list, deleted: list) -> None:
     try:
         store = Store(data_dir)
         layout = store.layout
+        last_gc = time.monotonic()
         with store.telemetry_buffer(WORKER, flush_interval_s=0.0) as telemetry:
             for shard_id in range(NUM_SHARDS):
                 if stop.is_set():
                     break
                 write_shard(store, shard_id, telemetry)
-                if shard_id % 5 == 4:  # compact and delete superseded parts at once (no grace)
+                if shard_id % 5 == 4:
                     compact_job(data_dir, JOB, force=True)
                     compact_group(layout, "iterations", WORKER)
-                    collect_garbage(data_dir, grace_s=0.0)
+                if time.monotonic() - last_gc >= GC_EVERY_S:
+                    deleted.append(collect_garbage(data_dir, grace_s=GRACE_S))
+                    last_gc = time.monotonic()
     except Exception as exc:  # reported by the test
         errors.append(exc)
 
@@ -55,9 +64,10 @@ def test_pages_never_fail_while_a_worker_writes_and_compaction_deletes(tmp_path)
     store = Store(tmp_path)
     store.record_job(JobRecord(JOB, "tiny-random", NUM_SHARDS * PER_SHARD, NUM_SHARDS, time.time()))
     store.record_shard_events([ShardEvent(JOB, s, "queued", time.time()) for s in range(NUM_SHARDS)])
-    client = create_app({"TESTING": True, "DATA_DIR": tmp_path}).test_client()
-    stop, errors = threading.Event(), []
-    thread = threading.Thread(target=writer, args=(tmp_path, stop, errors))
+    client = create_app({"TESTING": True, "DATA_DIR": tmp_path,
+                         "PAGE_QUERY_TIMEOUT_S": QUERY_TIMEOUT_S}).test_client()
+    stop, errors, deleted = threading.Event(), [], []
+    thread = threading.Thread(target=writer, args=(tmp_path, stop, errors, deleted))
     thread.start()
     urls = ["/", f"/jobs/{JOB}", "/api/jobs", f"/api/jobs/{JOB}/iterations", f"/api/jobs/{JOB}/throughput",
             f"/api/jobs/{JOB}/latency", "/workers"]
@@ -72,4 +82,5 @@ def test_pages_never_fail_while_a_worker_writes_and_compaction_deletes(tmp_path)
         stop.set()
         thread.join()
     assert not errors, errors
+    assert sum(deleted) > 0  # files really were deleted while the pages were read
     assert seen == sorted(seen) and seen[-1] > seen[0]  # progress only moves forward
