@@ -218,12 +218,7 @@ class Lease:
         with self._lock:
             if self.state.state != "running":
                 return  # ended: a late heartbeat must not overwrite the final state
-            self.state.heartbeat_ts = time.time()
-            if rows_done is not None:
-                self.state.rows_done = rows_done
-            if output_tokens is not None:
-                self.state.output_tokens = output_tokens
-            self.write()
+            self._touch(rows_done, output_tokens)
 
     def superseded(self) -> bool:
         """A newer attempt was claimed: this one was presumed dead and must not commit."""
@@ -236,9 +231,13 @@ class Lease:
             raise ValueError(f"lease end state must be one of {ENDED}, got {state!r}")
         with self._lock:
             self.state.state, self.state.note, self.state.retry_at = state, note, retry_at
-            self.state.heartbeat_ts = time.time()
-            if rows_done is not None:
-                self.state.rows_done = rows_done
-            if output_tokens is not None:
-                self.state.output_tokens = output_tokens
-            self.write()
+            self._touch(rows_done, output_tokens)
+
+    def _touch(self, rows_done: int | None, output_tokens: int | None) -> None:
+        """Stamp the heartbeat, record progress where given, write the state (lock held)."""
+        self.state.heartbeat_ts = time.time()
+        if rows_done is not None:
+            self.state.rows_done = rows_done
+        if output_tokens is not None:
+            self.state.output_tokens = output_tokens
+        self.write()
