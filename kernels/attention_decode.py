@@ -271,7 +271,10 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_seqs, num_kv_heads, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
     keys = k_cache.index_select(0, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     values = v_cache.index_select(0, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # one query token per sequence: a KV head's G query heads become G query rows against the
+    # same keys, so no GQA expansion of keys/values is needed (exact: decode has no causal mask)
+    group_size = q.shape[1] // num_kv_heads
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=group.mask, scale=scale, enable_gqa=True
-    )  # (n, Hq, 1, D)
-    return out.squeeze(2)
+        q.view(num_seqs, num_kv_heads, group_size, head_dim), keys, values, attn_mask=group.mask, scale=scale
+    )  # (n, Hkv, G, D)
+    return out.reshape(num_seqs, num_kv_heads * group_size, head_dim)
