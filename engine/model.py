@@ -13,8 +13,20 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from kernels import ops
+from kernels import cpu_gemm, ops
 from kernels.metadata import AttentionMetadata
+
+
+class Linear(nn.Linear):
+    """nn.Linear without bias whose CPU fp32 forward can use a oneDNN-packed copy of the weight
+    (kernels/cpu_gemm.py), made by Transformer.pack_weights(); the parameter itself is unchanged."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.packed: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.linear(x, self.weight, self.packed)
 
 
 @dataclass
@@ -84,8 +96,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.q_size = args.n_heads * args.head_dim
         self.kv_size = args.n_kv_heads * args.head_dim
-        self.qkv_proj = nn.Linear(args.dim, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, args.dim, bias=False)
+        self.qkv_proj = Linear(args.dim, self.q_size + 2 * self.kv_size)
+        self.o_proj = Linear(self.q_size, args.dim)
         self.scale = args.head_dim ** -0.5
 
     def forward(self, x, positions, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -104,8 +116,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.gate_up_proj = Linear(args.dim, 2 * args.intermediate_size)
+        self.down_proj = Linear(args.intermediate_size, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # (T, I) -> (T, dim)
@@ -137,8 +149,19 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
         self.norm = nn.Parameter(torch.ones(args.dim))
-        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head = None if args.tie_word_embeddings else Linear(args.dim, args.vocab_size)
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        self.tied_head_packed: torch.Tensor | None = None  # packed embedding, for a tied lm_head
+
+    def pack_weights(self) -> bool:
+        """Make oneDNN-packed copies of every projection's weight (and the lm_head's) for the CPU fp32
+        path; returns whether packing applied. Call again after the weights change."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.packed = cpu_gemm.pack(m.weight)
+        if self.lm_head is None:
+            self.tied_head_packed = cpu_gemm.pack(self.embed_tokens.weight)
+        return all(m.packed is not None for m in linears)
 
     def init_rope(self, max_len: int) -> None:
         w = self.embed_tokens.weight
@@ -156,8 +179,9 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, dim) -> (S, vocab) in float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return cpu_gemm.linear(hidden, self.embed_tokens.weight, self.tied_head_packed).float()
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

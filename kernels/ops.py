@@ -4,7 +4,9 @@
 every call; `auto` (or unset) picks by the tensor's device. Triton on CPU tensors runs only under
 the Triton interpreter (`TRITON_INTERPRET=1`, set before kernels are imported). The torch path is
 the CPU production path: every function here is vectorised and reads host-side lengths from the
-`*_cpu` lists of AttentionMetadata, never from tensors.
+`*_cpu` lists of AttentionMetadata, never from tensors. On fp32 CPU tensors decode attention
+goes to the native C kernel (kernels/cpu_native.py) when it builds; `BATCHGEN_NATIVE=0` keeps the
+pure torch path.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 
 import torch
 
+from kernels import cpu_native
 from kernels._triton import HAS_TRITON, interpreting
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention_decode import (
@@ -157,6 +160,10 @@ def _decode_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
     num_decodes: int, scale: float,
 ) -> torch.Tensor:
+    if cpu_native.supports(q, k_cache):  # reads the blocks in place: no gather, no padding
+        return cpu_native.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables[:num_decodes], meta.context_lens[:num_decodes], scale
+        )
     if meta.torch_decode_plan is None:  # the first layer of the step plans for all of them
         meta.torch_decode_plan = plan_decode_groups(
             meta.context_lens_cpu[:num_decodes], meta.block_tables[:num_decodes],

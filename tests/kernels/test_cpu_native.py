@@ -1,0 +1,117 @@
+"""The native C decode attention (kernels/cpu_native.py) against the naive float64 loop and the
+torch path, and its fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kernels import cpu_native, ops
+from kernels.attention_decode import paged_decode_attention_ref
+from kernels.testing import make_paged_inputs
+from tests.kernels import naive
+from tests.kernels.cases import HEADS
+
+DECODE_LENS = [1, 15, 16, 17, 100, 257]
+
+
+@pytest.fixture(autouse=True)
+def native_built():
+    if cpu_native.load() is None:  # the machines this runs on have gcc: say so loudly if not
+        pytest.fail(f"native kernels did not build: {cpu_native.why_unavailable()}")
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [*HEADS, (4, 4)])
+def test_decode_matches_naive_loop_and_reads_only_its_context(num_q_heads, num_kv_heads, block_size):
+    inputs = make_paged_inputs([1] * len(DECODE_LENS), DECODE_LENS, num_q_heads, num_kv_heads, 64, block_size,
+                               garbage=float("nan"))  # a read outside any context would poison the output
+    meta = inputs.meta
+    out = cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+                                            meta.context_lens, inputs.scale)
+    want = naive.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables.tolist(),
+                                 [1] * len(DECODE_LENS), DECODE_LENS, inputs.scale)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 3, 7])
+def test_any_thread_count_gives_the_same_answer(num_threads):
+    lens = [5, 300, 1, 64, 65, 129, 2, 40]
+    inputs = make_paged_inputs([1] * len(lens), lens, 9, 3, 64, 16, garbage=None)
+    meta = inputs.meta
+    one = cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+                                            meta.context_lens, inputs.scale, num_threads=1)
+    many = cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+                                             meta.context_lens, inputs.scale, num_threads=num_threads)
+    assert torch.equal(one, many)  # each (sequence, KV head) is computed by one thread, in one order
+    ref = paged_decode_attention_ref(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+                                     meta.context_lens, meta.max_context_len, inputs.scale)
+    torch.testing.assert_close(many, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_strided_queries_from_the_fused_projection():
+    """The model hands attention q as a view of the qkv GEMM's output: rows are strided."""
+    lens = [3, 40, 17]
+    inputs = make_paged_inputs([1] * 3, lens, 9, 3, 64, 16)
+    qkv = torch.randn(3, (9 + 6) * 64)
+    q = qkv[:, : 9 * 64].view(3, 9, 64)
+    assert not q.is_contiguous()
+    meta = inputs.meta
+    out = cpu_native.paged_decode_attention(q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+                                            meta.context_lens, inputs.scale)
+    ref = paged_decode_attention_ref(q, inputs.k_cache, inputs.v_cache, meta.block_tables, meta.context_lens,
+                                     meta.max_context_len, inputs.scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_step_uses_native_decodes_and_matches_the_pure_torch_path(monkeypatch):
+    query_lens, context_lens = [1, 1, 1, 16, 5], [300, 17, 1, 16, 100]
+    inputs = make_paged_inputs(query_lens, context_lens, 9, 3, 64, 16)
+    ops.set_backend("torch")
+    try:
+        native = ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
+        assert inputs.meta.torch_decode_plan is None  # the native kernel needs no gather plan
+        monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
+        plain = ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
+        assert inputs.meta.torch_decode_plan is not None
+    finally:
+        ops.set_backend(None)
+    torch.testing.assert_close(native, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_it_cannot_take_are_refused_with_the_reason():
+    inputs = make_paged_inputs([1, 1], [5, 9], 9, 3, 64, 16)
+    meta = inputs.meta
+    with pytest.raises(ValueError, match="int32"):
+        cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables.long(),
+                                          meta.context_lens, inputs.scale)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.paged_decode_attention(inputs.q[:, :8], inputs.k_cache, inputs.v_cache, meta.block_tables,
+                                          meta.context_lens, inputs.scale)
+    assert not cpu_native.supports(inputs.q.half(), inputs.k_cache.half())  # fp32 only: fp16 uses torch
+
+
+def test_a_failed_build_falls_back_to_torch_and_says_why(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    monkeypatch.setattr(cpu_native, "_why_not", "")
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+        assert cpu_native.load() is None
+    assert "internal error" in cpu_native.why_unavailable()
+    assert "using the torch path" in caplog.text
+    inputs = make_paged_inputs([1, 1], [5, 40], 9, 3, 64, 16)
+    assert not cpu_native.supports(inputs.q, inputs.k_cache)
+    ops.set_backend("torch")
+    try:
+        out = ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
+    finally:
+        ops.set_backend(None)
+    assert inputs.meta.torch_decode_plan is not None  # the torch path ran
+    assert torch.isfinite(out).all()
