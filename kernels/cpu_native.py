@@ -1,8 +1,10 @@
 """Native CPU kernels: C sources in kernels/csrc, compiled once with the system C compiler into the
 batchgen cache and loaded with ctypes (no torch headers, so a build takes about a second).
 
-Today one kernel: paged decode attention in fp32, which reads keys and values in place from the
-block-paged cache instead of gathering them (the gather was ~16% of a decode step on 2 cores).
+The kernels (fp32): paged decode attention, which reads keys and values in place from the
+block-paged cache instead of gathering them (the gather was ~16% of a decode step on 2 cores), and
+the elementwise ops of a layer (RMSNorm with the residual add, rotary, SiLU-and-mul), each one
+pass instead of several torch ops and their temporaries. Threads come from torch's own OpenMP pool.
 When no compiler is found or the build fails, `load()` returns None, says why once in the log and
 the torch path runs instead; `BATCHGEN_NATIVE=0` turns the native path off.
 """
@@ -23,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.c"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 # -fassociative-math lets the compiler vectorise the dot-product reductions; no -ffinite-math-only
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math",
           "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp"]
@@ -62,7 +64,7 @@ def build(cc: str, out_dir: Path) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join([cc, *CFLAGS]).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
-    target = out_dir / f"paged_attention_cpu-{key}.so"
+    target = out_dir / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -95,11 +97,18 @@ def load() -> ctypes.CDLL | None:
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             _why_not = str(exc)
         else:
-            fn = lib.paged_decode_attention_f32
-            fn.restype = ctypes.c_int
-            i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-            fn.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i32, i32, i32, i32,
-                           ctypes.c_float, i32]
+            i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+            signatures = {
+                "paged_decode_attention_f32": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
+                                                              i64, i32, i32, i32, i32, f32, i32]),
+                "rms_norm_f32": (None, [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]),
+                "rotary_f32": (None, [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, i64, i64, i32]),
+                "silu_and_mul_f32": (None, [ptr, i64, ptr, i64, i64, i32]),
+                "store_kv_cache_f32": (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]),
+            }
+            for name, (restype, argtypes) in signatures.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
             _lib = lib
     if _lib is None:
         log.warning("native CPU kernels unavailable, using the torch path: %s", _why_not)
@@ -111,10 +120,10 @@ def why_unavailable() -> str:
     return _why_not
 
 
-def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the native decode attention applies: enabled, fp32 CPU tensors, a loadable library."""
-    return (enabled() and q.device.type == "cpu" and q.dtype == torch.float32
-            and k_cache.dtype == torch.float32 and load() is not None)
+def supports(*tensors: torch.Tensor) -> bool:
+    """Whether the native kernels apply: enabled, fp32 CPU tensors, a loadable library."""
+    return (enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and load() is not None)
 
 
 _ERRORS = {1: "out of memory", 2: "more than 64 query heads per KV head"}
@@ -156,3 +165,72 @@ def paged_decode_attention(
     if status:
         raise RuntimeError(f"native paged attention failed: {_ERRORS.get(status, status)}")
     return out
+
+
+def _rows(x: torch.Tensor, name: str) -> int:
+    """Row stride of a 2-D fp32 tensor whose last dim is contiguous."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"native {name}: need a 2-D tensor with a contiguous last dim, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    return x.stride(0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight * rms-normalised r, r) with r = x + residual, or r = x (returned as None) without one.
+    x (T, D); the same contract as kernels.rms_norm's references."""
+    stride = _rows(x, "rms_norm")
+    rows, dim = x.shape
+    out = torch.empty((rows, dim), dtype=x.dtype)
+    residual_out = None
+    if residual is not None:
+        residual = residual.contiguous()
+        residual_out = torch.empty((rows, dim), dtype=x.dtype)
+    weight = weight.contiguous()
+    load().rms_norm_f32(x.data_ptr(), stride, None if residual is None else residual.data_ptr(),
+                        weight.data_ptr(), out.data_ptr(),
+                        None if residual_out is None else residual_out.data_ptr(), rows, dim, eps,
+                        torch.get_num_threads())
+    return out, residual_out
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (T, Hq, D) and k (T, Hkv, D) in place; head dims contiguous, any other strides."""
+    if q.stride(2) != 1 or k.stride(2) != 1 or not cos_sin_cache.is_contiguous():
+        raise ValueError("native rotary: q and k need contiguous head dims, cos_sin_cache contiguity")
+    positions = positions.to(torch.int64).contiguous()
+    rows, dim = q.shape[0], q.shape[2]
+    load().rotary_f32(positions.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), q.shape[1],
+                      k.data_ptr(), k.stride(0), k.stride(1), k.shape[1], cos_sin_cache.data_ptr(), rows, dim,
+                      torch.get_num_threads())
+    return q, k
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
+    stride = _rows(x, "silu_and_mul")
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=x.dtype)
+    load().silu_and_mul_f32(x.data_ptr(), stride, out.data_ptr(), rows, inter, torch.get_num_threads())
+    return out
+
+
+def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Write key/value (T, Hkv, D) into k_cache/v_cache (num_blocks, block_size, Hkv, D) at flat slots
+    slot_mapping (T,); slot -1 skips. Rows may be strided (views of the qkv GEMM's output)."""
+    rows, heads, dim = key.shape
+    for name, x in (("key", key), ("value", value)):
+        if x.stride(2) != 1 or x.stride(1) != dim:
+            raise ValueError(f"native store_kv_cache: {name} needs contiguous heads and head dim")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
+        raise ValueError("native store_kv_cache: caches must be contiguous and of one shape")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    bad = load().store_kv_cache_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                    k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), rows,
+                                    heads * dim, num_slots)
+    if bad:
+        raise IndexError(f"store_kv_cache: token {bad - 1} has slot {int(slots[bad - 1])}, outside the "
+                         f"cache's {num_slots} slots")

@@ -5,8 +5,8 @@ every call; `auto` (or unset) picks by the tensor's device. Triton on CPU tensor
 the Triton interpreter (`TRITON_INTERPRET=1`, set before kernels are imported). The torch path is
 the CPU production path: every function here is vectorised and reads host-side lengths from the
 `*_cpu` lists of AttentionMetadata, never from tensors. On fp32 CPU tensors decode attention
-goes to the native C kernel (kernels/cpu_native.py) when it builds; `BATCHGEN_NATIVE=0` keeps the
-pure torch path.
+and the elementwise ops go to the native C kernels (kernels/cpu_native.py) when they build;
+`BATCHGEN_NATIVE=0` keeps the pure torch path.
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x (T, D), scaled by weight (D,)."""
     if get_backend(x) == "triton":
         return rms_norm_triton(x, weight, eps)[0]
+    if x.dim() == 2 and cpu_native.supports(x, weight):
+        return cpu_native.rms_norm(x, weight, eps)[0]
     return rms_norm_ref(x, weight, eps)
 
 
@@ -87,6 +89,8 @@ def fused_add_rms_norm(
     """residual_out = x + residual; returns (rms_norm(residual_out), residual_out)."""
     if get_backend(x) == "triton":
         return rms_norm_triton(x, weight, eps, residual)
+    if x.dim() == 2 and x.shape == residual.shape and cpu_native.supports(x, residual, weight):
+        return cpu_native.rms_norm(x, weight, eps, residual)
     return fused_add_rms_norm_ref(x, residual, weight, eps)
 
 
@@ -96,6 +100,8 @@ def rotary_embedding(
     """Rotate q (T, Hq, D) and k (T, Hkv, D) in place by positions (T,) int64; returns (q, k)."""
     if get_backend(q) == "triton":
         return rotary_embedding_triton(positions, q, k, cos_sin_cache)
+    if cpu_native.supports(q, k, cos_sin_cache):
+        return cpu_native.rotary_embedding(positions, q, k, cos_sin_cache)
     return rotary_embedding_ref(positions, q, k, cos_sin_cache)
 
 
@@ -103,6 +109,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x (T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
     if get_backend(x) == "triton":
         return silu_and_mul_triton(x)
+    if x.dim() == 2 and cpu_native.supports(x):
+        return cpu_native.silu_and_mul(x)
     return silu_and_mul_ref(x)
 
 
@@ -116,6 +124,8 @@ def store_kv_cache(
     """Write key/value (T, Hkv, D) into k_cache/v_cache (num_blocks, block_size, Hkv, D); slot -1 skips."""
     if get_backend(key) == "triton":
         store_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif cpu_native.supports(key, value, k_cache, v_cache) and key.shape[1:] == k_cache.shape[2:]:
+        cpu_native.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     else:
         store_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
 

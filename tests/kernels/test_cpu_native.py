@@ -115,3 +115,65 @@ def test_a_failed_build_falls_back_to_torch_and_says_why(monkeypatch, tmp_path, 
         ops.set_backend(None)
     assert inputs.meta.torch_decode_plan is not None  # the torch path ran
     assert torch.isfinite(out).all()
+
+
+def test_elementwise_kernels_match_the_torch_references_on_strided_inputs():
+    from kernels.activation import silu_and_mul_ref
+    from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+    from kernels.rotary import make_cos_sin_cache, rotary_embedding_ref
+
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(37, 2 * 576, generator=gen) * 3
+    x, weight, residual = wide[:, :576], torch.randn(576, generator=gen), torch.randn(37, 576, generator=gen)
+    assert not x.is_contiguous()
+    torch.testing.assert_close(cpu_native.rms_norm(x, weight, 1e-5)[0], rms_norm_ref(x, weight, 1e-5))
+    normed, res_out = cpu_native.rms_norm(x, weight, 1e-5, residual)
+    want_normed, want_res = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    torch.testing.assert_close(normed, want_normed)
+    assert torch.equal(res_out, want_res)
+
+    gate_up = torch.randn(37, 2 * 1536 + 8, generator=gen)[:, : 2 * 1536] * 30  # large |gate| too
+    want = silu_and_mul_ref(gate_up)
+    torch.testing.assert_close(cpu_native.silu_and_mul(gate_up), want, atol=1e-5, rtol=1e-5)
+
+    qkv = torch.randn(37, 15 * 64, generator=gen)
+    positions = torch.randint(0, 500, (37,), generator=gen)
+    cos_sin = make_cos_sin_cache(64, 512, 100000.0, torch.float32, "cpu")
+    q, k = qkv[:, : 9 * 64].view(37, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(37, 3, 64)
+    want_q, want_k = rotary_embedding_ref(positions, q.clone(), k.clone(), cos_sin)
+    v_before = qkv[:, 12 * 64 :].clone()
+    cpu_native.rotary_embedding(positions, q, k, cos_sin)  # in place, through the views
+    torch.testing.assert_close(qkv[:, : 9 * 64].view(37, 9, 64), want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(qkv[:, 9 * 64 : 12 * 64].view(37, 3, 64), want_k, atol=1e-5, rtol=1e-5)
+    assert torch.equal(qkv[:, 12 * 64 :], v_before)  # v untouched
+
+
+def test_ops_send_fp32_cpu_work_to_the_native_kernels(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch reference ran although the native kernel applies")
+
+    for name in ("rms_norm_ref", "fused_add_rms_norm_ref", "rotary_embedding_ref", "silu_and_mul_ref"):
+        monkeypatch.setattr(ops, name, refuse)
+    x = torch.randn(4, 64)
+    ops.rms_norm(x, torch.ones(64), 1e-5)
+    ops.fused_add_rms_norm(x, x.clone(), torch.ones(64), 1e-5)
+    ops.silu_and_mul(torch.randn(4, 32))
+    cos_sin = torch.randn(16, 64)
+    ops.rotary_embedding(torch.arange(4), torch.randn(4, 9, 64), torch.randn(4, 3, 64), cos_sin)
+    monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
+    with pytest.raises(AssertionError, match="torch reference ran"):
+        ops.silu_and_mul(torch.randn(4, 32))
+
+
+def test_store_kv_cache_writes_strided_rows_skips_minus_one_and_refuses_bad_slots():
+    from kernels.kv_cache import store_kv_cache_ref
+
+    qkv = torch.randn(5, 15 * 64)
+    key, value = qkv[:, 9 * 64 : 12 * 64].view(5, 3, 64), qkv[:, 12 * 64 :].view(5, 3, 64)
+    slots = torch.tensor([7, -1, 0, 33, 12])
+    caches = [torch.zeros(3, 16, 3, 64) for _ in range(4)]
+    cpu_native.store_kv_cache(key, value, caches[0], caches[1], slots)
+    store_kv_cache_ref(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(IndexError, match="token 1 has slot 48, outside the cache's 48 slots"):
+        cpu_native.store_kv_cache(key, value, caches[0], caches[1], torch.tensor([0, 48, 1, 2, 3]))

@@ -1,5 +1,8 @@
-/* Paged decode attention for the CPU path, fp32: one query token per sequence reads its keys and
- * values in place from the block-paged cache (no gather copy), GQA-aware, split over threads.
+/* The CPU path's native kernels, fp32: paged decode attention, (fused add +) RMSNorm, rotary
+ * embedding and SiLU-and-mul. Each replaces several torch ops (and their temporaries) by one pass.
+ *
+ * Paged decode attention: one query token per sequence reads its keys and values in place from
+ * the block-paged cache (no gather copy), GQA-aware, split over threads.
  *
  * Built by kernels/cpu_native.py with the system C compiler and loaded through ctypes; the torch
  * reference (kernels/attention_decode.py) is the specification it is tested against.
@@ -16,6 +19,29 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp(x), used for x <= 0 (scores minus their max) and for silu: 2^(x log2 e) = 2^n * e^(f ln 2), |f| <= 1/2, with
+ * e^u (|u| <= 0.35) by its degree-7 Taylor polynomial (error < 1e-8) and 2^n by scalef, which
+ * underflows cleanly to 0 for very negative x. */
+static inline __m512 exp_ps(__m512 x) {
+    const __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                   _mm512_set1_ps(-200.0f));
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 u = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 r = _mm512_set1_ps(1.0f / 5040.0f);
+    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f / 720.0f));
+    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f / 120.0f));
+    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f / 24.0f));
+    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f / 6.0f));
+    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(0.5f));
+    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f));
+    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(r, n);
+}
+
+#endif
 
 typedef struct {
     const float *q;
@@ -87,27 +113,6 @@ static void attend_item(const Problem *p, int64_t item, float *scores, float *qs
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* exp(x) for x <= 0 (scores minus their max): 2^(x log2 e) = 2^n * e^(f ln 2), |f| <= 1/2, with
- * e^u (|u| <= 0.35) by its degree-7 Taylor polynomial (error < 1e-8) and 2^n by scalef, which
- * underflows cleanly to 0 for very negative x. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    const __m512 y = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                   _mm512_set1_ps(-200.0f));
-    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 u = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f));
-    __m512 r = _mm512_set1_ps(1.0f / 5040.0f);
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f / 720.0f));
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f / 120.0f));
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f / 24.0f));
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f / 6.0f));
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(0.5f));
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f));
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(r, n);
-}
-
 /* attend_item for G query heads per KV head and a head dim of 16*C, both compile-time after
  * inlining, so the G*C query and accumulator vectors live in registers. */
 static inline __attribute__((always_inline)) void attend_item_avx512(const Problem *p, int64_t item,
@@ -152,13 +157,13 @@ static inline __attribute__((always_inline)) void attend_item_avx512(const Probl
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
         __m512 sum = _mm512_setzero_ps();
         for (t = 0; t + 16 <= ctx; t += 16) {
-            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
             _mm512_storeu_ps(row + t, e);
             sum = _mm512_add_ps(sum, e);
         }
         if (tail) {
             const __m512 e = _mm512_maskz_mov_ps(
-                tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), m)));
+                tail, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), m)));
             _mm512_mask_storeu_ps(row + t, tail, e);
             sum = _mm512_add_ps(sum, e);
         }
@@ -243,4 +248,93 @@ int paged_decode_attention_f32(const float *q, int64_t q_seq_stride, int64_t q_h
         free(scores);
     }
     return failed;
+}
+
+/* ---- elementwise kernels: rows split over OpenMP threads when there is enough work ---- */
+
+#define PARALLEL_MIN_FLOATS 65536
+
+/* out = weight * (r / sqrt(mean(r^2) + eps)) with r = x + residual (written to residual_out) or,
+ * when residual is NULL, r = x. Rows of x may be strided; every other array is contiguous. */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *residual, const float *weight,
+                  float *out, float *residual_out, int64_t rows, int64_t dim, float eps,
+                  int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_FLOATS) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xr = x + t * x_stride;
+        const float *r = xr;
+        if (residual) {
+            float *ro = residual_out + t * dim;
+            const float *rr = residual + t * dim;
+            for (int64_t d = 0; d < dim; d++) ro[d] = xr[d] + rr[d];
+            r = ro;
+        }
+        float ss = 0.0f;
+        for (int64_t d = 0; d < dim; d++) ss += r[d] * r[d];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        float *o = out + t * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] = weight[d] * (r[d] * inv);
+    }
+}
+
+/* In place, for q (T, nq, D) and k (T, nk, D) with any token and head strides (head dim
+ * contiguous): each head's halves x1, x2 become x1*cos - x2*sin and x2*cos + x1*sin, with
+ * cos_sin (max_len, D) = [cos | sin] at the token's position. */
+void rotary_f32(const int64_t *positions, float *q, int64_t q_tok_stride, int64_t q_head_stride,
+                int nq, float *k, int64_t k_tok_stride, int64_t k_head_stride, int nk,
+                const float *cos_sin, int64_t rows, int64_t dim, int num_threads) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows * (nq + nk) * dim >= PARALLEL_MIN_FLOATS) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos_sin + positions[t] * dim;
+        const float *sn = c + half;
+        for (int h = 0; h < nq + nk; h++) {
+            float *x = h < nq ? q + t * q_tok_stride + h * q_head_stride
+                              : k + t * k_tok_stride + (h - nq) * k_head_stride;
+            float *x2 = x + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x[i], b = x2[i];
+                x[i] = a * c[i] - b * sn[i];
+                x2[i] = b * c[i] + a * sn[i];
+            }
+        }
+    }
+}
+
+/* x (T, 2I) rows [gate | up] (row stride x_stride) -> out (T, I) = silu(gate) * up. */
+void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows, int64_t inter,
+                      int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= PARALLEL_MIN_FLOATS) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *g = x + t * x_stride, *u = g + inter;
+        float *o = out + t * inter;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 gv = _mm512_loadu_ps(g + i);
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+            _mm512_storeu_ps(o + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* key/value (T, Hkv, D) rows (token strides given, heads and dims contiguous) into the caches'
+ * flat slots (num_slots, Hkv, D); slot -1 skips the token. Returns the first out-of-range slot's
+ * token + 1, or 0. */
+int64_t store_kv_cache_f32(const float *key, int64_t key_stride, const float *value,
+                           int64_t value_stride, float *k_cache, float *v_cache,
+                           const int64_t *slot_mapping, int64_t rows, int64_t row_floats,
+                           int64_t num_slots) {
+    for (int64_t t = 0; t < rows; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        if (slot >= num_slots) return t + 1;
+        memcpy(k_cache + slot * row_floats, key + t * key_stride, sizeof(float) * (size_t)row_floats);
+        memcpy(v_cache + slot * row_floats, value + t * value_stride, sizeof(float) * (size_t)row_floats);
+    }
+    return 0;
 }
