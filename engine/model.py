@@ -202,6 +202,9 @@ class Transformer(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:6])}"
                              + (" ..." if len(missing) > 6 else ""))
+        if self.tied_head_packed is not None or any(
+                m.packed is not None for m in self.modules() if isinstance(m, Linear)):
+            self.pack_weights()  # packed copies must not go stale
 
 
 def _fused_hf_tensors(weights: dict[str, torch.Tensor], args: ModelArgs):

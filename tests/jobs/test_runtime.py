@@ -4,6 +4,7 @@ long-lived engine; idempotence, cancellation, retries, engine failures. No broke
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -81,7 +82,15 @@ def test_next_shard_is_admitted_while_the_current_one_drains(runtime):
     assert b_first < a_end and b_end < a_end, "shard b ran while shard a's long request was still running"
 
 
-def test_cancel_stops_running_rows_and_skips_queued_shards(runtime, data_dir, tmp_path):
+def test_cancel_stops_running_rows_and_skips_queued_shards(runtime, data_dir, tmp_path, monkeypatch):
+    engine = runtime.loop.engine
+    step = engine.step
+
+    def slow_step():  # the tiny model decodes 1900 tokens in under a heartbeat tick: pace it
+        time.sleep(0.003)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
     m, _ = _job(data_dir, tmp_path, 6, 3)
     paths = JobPaths.of(m.data_dir, m.job_id)
     m.sampling_defaults.update(max_tokens=1900, ignore_eos=True)  # long enough to be cancelled mid-way

@@ -98,8 +98,10 @@ def test_job_over_broker_matches_llm_generate(kind, tmp_path, reference):
 
 def test_worker_killed_mid_shard_is_replaced_and_nothing_is_lost(tmp_path):
     data_dir = tmp_path / "data"
+    rows = 16  # 8 shards of 1500 tokens a row: the native kernels make each shard quick, so the job
+    # needs enough of them to still be in the middle when w1 is killed
     src = tmp_path / "in.parquet"
-    write_prompts(src, 8)
+    write_prompts(src, rows)
     settings = broker_for("embedded", data_dir, unique_queue("kill"))
     with workers(data_dir, settings, tmp_path, ["w1"], "--max-num-seqs", "2", "--concurrency", "2") as ws:
         ws[0].wait_ready()
@@ -118,13 +120,13 @@ def test_worker_killed_mid_shard_is_replaced_and_nothing_is_lost(tmp_path):
         assert job_progress(m).rows_done < m.num_requests, "killed in the middle of the job"
         ws.append(Worker(data_dir, settings, "w2", tmp_path, "--max-num-seqs", "2", "--concurrency", "2"))
         wait_for(lambda: job_progress(m).finished, 180, "the job on w2", on_timeout=lambda: logs(ws))
-    _assert_each_row_once(data_dir, m.job_id, 8)
+    _assert_each_row_once(data_dir, m.job_id, rows)
     shards = shards_of(data_dir, m.job_id)
     assert all(s["status"] == "completed" for s in shards.values())
     for shard_id in held:
         shard = shards[shard_id]
         assert (shard["attempts"], shard["worker_id"]) == (2, "w2@testhost"), shard
-    assert query(data_dir, "SELECT count(*) AS n FROM requests WHERE job_id = ?", [m.job_id])[0]["n"] == 8
+    assert query(data_dir, "SELECT count(*) AS n FROM requests WHERE job_id = ?", [m.job_id])[0]["n"] == rows
 
 
 def test_two_workers_share_a_job_and_a_corrupt_shard_fails_until_retried(tmp_path):

@@ -51,3 +51,24 @@ def test_model_gives_the_same_logits_packed_and_unpacked(monkeypatch):
 def test_gemm_peak_counts_the_path_the_engine_runs():
     peaks = measure_gemm_peaks("float32", "cpu", seconds=0.2)
     assert set(peaks) == {"torch.mm", "onednn-packed"} and min(peaks.values()) > 0
+
+
+def test_loading_new_weights_repacks():
+    from tests.engine.tiny import tiny_hf_checkpoint
+
+    first, second = tiny_hf_checkpoint(seed=0), tiny_hf_checkpoint(seed=1)
+    model = Transformer(_args(first.config)).eval()
+    model.load_hf_weights(first.weights)
+    assert model.pack_weights()
+    model.load_hf_weights(second.weights)
+    hidden = torch.randn(3, model.args.dim)
+    with torch.inference_mode():
+        got = model.compute_logits(hidden)  # untied lm_head, through its packed copy
+    want = F.linear(hidden, second.weights["lm_head.weight"])
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
+
+
+def _args(config):
+    from engine.model import ModelArgs
+
+    return ModelArgs.from_hf_config(config)

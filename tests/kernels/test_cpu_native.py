@@ -177,3 +177,15 @@ def test_store_kv_cache_writes_strided_rows_skips_minus_one_and_refuses_bad_slot
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(IndexError, match="token 1 has slot 48, outside the cache's 48 slots"):
         cpu_native.store_kv_cache(key, value, caches[0], caches[1], torch.tensor([0, 48, 1, 2, 3]))
+
+
+@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads", [(16, 4, 2), (64, 12, 1), (48, 3, 3)])
+def test_shapes_without_a_specialised_kernel_take_the_generic_one(head_dim, num_q_heads, num_kv_heads):
+    inputs = make_paged_inputs([1] * len(DECODE_LENS), DECODE_LENS, num_q_heads, num_kv_heads, head_dim, 16,
+                               garbage=float("nan"))
+    meta = inputs.meta
+    out = cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+                                            meta.context_lens, inputs.scale)
+    want = naive.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables.tolist(),
+                                 [1] * len(DECODE_LENS), DECODE_LENS, inputs.scale)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
