@@ -8,8 +8,8 @@ import click
 ENGINE_OPTIONS = [
     click.option("--model", default="smollm2-135m", show_default=True,
                  help="Registry name, Hugging Face directory, GGUF file or Hub id."),
-    click.option("--max-num-seqs", type=int, help="Sequence cap per iteration (default 64)."),
-    click.option("--max-num-batched-tokens", type=int, help="Token budget per iteration (default 2048)."),
+    click.option("--max-num-seqs", type=int, help="Sequence cap per iteration (default 128)."),
+    click.option("--max-num-batched-tokens", type=int, help="Token budget per iteration (default 8192)."),
     click.option("--max-model-len", type=int, help="Prompt + output tokens per sequence."),
     click.option("--block-size", type=int, help="Tokens per KV block (default 16)."),
     click.option("--num-kv-blocks", type=int, help="KV blocks (default: from the KV memory budget)."),

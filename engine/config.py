@@ -11,8 +11,8 @@ _POLICIES = ("fcfs", "priority")
 @dataclass
 class EngineConfig:
     model: str = "smollm2-135m"  # registry name, HF directory, GGUF file, or Hub id
-    max_num_seqs: int = 64  # sequence cap: sequences in one iteration batch
-    max_num_batched_tokens: int = 2048  # token budget: prefill + decode tokens per iteration
+    max_num_seqs: int = 128  # sequence cap per iteration batch (the sweep knee, 2 cores)
+    max_num_batched_tokens: int = 8192  # token budget: prefill + decode tokens per iteration
     max_model_len: int | None = None  # prompt + output tokens per sequence; None = the model's
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # KV blocks; None = derived from kv_cache_memory_gb

@@ -127,9 +127,9 @@ def _prompts_workload(path: str, sample: int, output_lens: tuple[int, int], toke
 @click.command()
 @engine_options
 @workload_options
-@click.option("--max-num-seqs-values", default="1,4,16,64", show_default=True,
+@click.option("--max-num-seqs-values", default="1,4,16,64,128,256", show_default=True,
               help="comma-separated max_num_seqs to try (budget held at --max-num-batched-tokens)")
-@click.option("--max-num-batched-tokens-values", default="128,512,2048", show_default=True,
+@click.option("--max-num-batched-tokens-values", default="128,512,2048,8192", show_default=True,
               help="comma-separated token budgets to try (max_num_seqs held at --max-num-seqs)")
 @click.option("--repeats", type=int, default=1, show_default=True)
 @click.option("--prompts", "prompts_path", default=None, help="sample real prompts from this Parquet file")

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from engine.bench import bench, make_workload, percentile
+from engine.config import EngineConfig
 from engine.sweep import find_knee, first_slo_breach, parse_values, sweep
 from jobs.store import connect
 
@@ -73,8 +74,9 @@ def test_sweep_records_rows_in_the_sweeps_view(tmp_path):
         "SELECT swept, max_num_seqs, max_num_batched_tokens, repeat, output_tokens_per_s, mean_running "
         "FROM sweeps ORDER BY swept, max_num_seqs, max_num_batched_tokens, repeat").fetchall()
     assert len(rows) == 8
+    held = EngineConfig()  # the swept knob moves, the other stays at its default
     assert {(r[0], r[1], r[2]) for r in rows} == {
-        ("max_num_seqs", 1, 2048), ("max_num_seqs", 4, 2048),
-        ("max_num_batched_tokens", 64, 8), ("max_num_batched_tokens", 64, 32)}
+        ("max_num_seqs", 1, held.max_num_batched_tokens), ("max_num_seqs", 4, held.max_num_batched_tokens),
+        ("max_num_batched_tokens", held.max_num_seqs, 8), ("max_num_batched_tokens", held.max_num_seqs, 32)}
     assert all(r[4] > 0 for r in rows)
     assert all(r[5] <= 1.0 for r in rows if r[0] == "max_num_seqs" and r[1] == 1)
