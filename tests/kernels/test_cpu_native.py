@@ -23,11 +23,17 @@ def native_built():
         pytest.fail(f"native kernels did not build: {cpu_native.why_unavailable()}")
 
 
+# (query heads, KV heads, head dim): the specialised AVX-512 kernels, then shapes without one
+# (head dim 16 or 48, 12 query heads per KV head), which take the generic kernel
+DECODE_SHAPES = [(h, kv, 64) for h, kv in HEADS] + [(4, 4, 64), (4, 2, 16), (12, 1, 64), (3, 3, 48)]
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("num_q_heads,num_kv_heads", [*HEADS, (4, 4)])
-def test_decode_matches_naive_loop_and_reads_only_its_context(num_q_heads, num_kv_heads, block_size):
-    inputs = make_paged_inputs([1] * len(DECODE_LENS), DECODE_LENS, num_q_heads, num_kv_heads, 64, block_size,
-                               garbage=float("nan"))  # a read outside any context would poison the output
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", DECODE_SHAPES)
+def test_decode_matches_naive_loop_and_reads_only_its_context(num_q_heads, num_kv_heads, head_dim,
+                                                              block_size):
+    inputs = make_paged_inputs([1] * len(DECODE_LENS), DECODE_LENS, num_q_heads, num_kv_heads, head_dim,
+                               block_size, garbage=float("nan"))  # a read outside any context would poison it
     meta = inputs.meta
     out = cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
                                             meta.context_lens, inputs.scale)
@@ -178,14 +184,3 @@ def test_store_kv_cache_writes_strided_rows_skips_minus_one_and_refuses_bad_slot
     with pytest.raises(IndexError, match="token 1 has slot 48, outside the cache's 48 slots"):
         cpu_native.store_kv_cache(key, value, caches[0], caches[1], torch.tensor([0, 48, 1, 2, 3]))
 
-
-@pytest.mark.parametrize("head_dim,num_q_heads,num_kv_heads", [(16, 4, 2), (64, 12, 1), (48, 3, 3)])
-def test_shapes_without_a_specialised_kernel_take_the_generic_one(head_dim, num_q_heads, num_kv_heads):
-    inputs = make_paged_inputs([1] * len(DECODE_LENS), DECODE_LENS, num_q_heads, num_kv_heads, head_dim, 16,
-                               garbage=float("nan"))
-    meta = inputs.meta
-    out = cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
-                                            meta.context_lens, inputs.scale)
-    want = naive.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables.tolist(),
-                                 [1] * len(DECODE_LENS), DECODE_LENS, inputs.scale)
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
