@@ -29,6 +29,9 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 # -fassociative-math lets the compiler vectorise the dot-product reductions; no -ffinite-math-only
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math",
           "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp"]
+# tried in order: a compiler without OpenMP (clang with no libomp) still gets single-threaded
+# kernels, one that does not know -march=native (some clang targets) still gets portable ones
+FALLBACK_DROPS = [(), ("-fopenmp",), ("-fopenmp", "-march=native")]
 ENV_SWITCH = "BATCHGEN_NATIVE"
 
 _lib: ctypes.CDLL | None = None
@@ -58,11 +61,12 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def build(cc: str, out_dir: Path) -> Path:
+def build(cc: str, out_dir: Path, flags: list[str] | None = None) -> Path:
     """Compile SOURCE into out_dir (named by a hash of source, flags and CPU); returns the .so path.
     The file appears atomically, so concurrent workers may build at once."""
+    flags = CFLAGS if flags is None else flags
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join([cc, *CFLAGS]).encode(),
+    key = hashlib.sha256(b"\0".join([source, " ".join([cc, *flags]).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     target = out_dir / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -71,7 +75,7 @@ def build(cc: str, out_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
                               timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
@@ -80,6 +84,22 @@ def build(cc: str, out_dir: Path) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def build_with_fallbacks(cc: str, out_dir: Path) -> Path:
+    """build() with CFLAGS, then without what FALLBACK_DROPS names; the first error if all fail."""
+    first: Exception | None = None
+    for drop in FALLBACK_DROPS:
+        try:
+            path = build(cc, out_dir, [f for f in CFLAGS if f not in drop])
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            first = first or exc
+            continue
+        if drop:
+            why = (str(first).splitlines() or [""])[0]
+            log.warning("native CPU kernels built without %s (%s)", " ".join(drop), why)
+        return path
+    raise first
 
 
 def load() -> ctypes.CDLL | None:
@@ -93,7 +113,7 @@ def load() -> ctypes.CDLL | None:
         _why_not = "no C compiler (cc, gcc or clang) on PATH"
     else:
         try:
-            lib = ctypes.CDLL(str(build(cc, _cache_root())))
+            lib = ctypes.CDLL(str(build_with_fallbacks(cc, _cache_root())))
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             _why_not = str(exc)
         else:

@@ -4,6 +4,7 @@ torch path, and its fallback when it cannot be built."""
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -99,15 +100,36 @@ def test_inputs_it_cannot_take_are_refused_with_the_reason():
     assert not cpu_native.supports(inputs.q.half(), inputs.k_cache.half())  # fp32 only: fp16 uses torch
 
 
-def test_a_failed_build_falls_back_to_torch_and_says_why(monkeypatch, tmp_path, caplog):
+def _fresh_build_with(monkeypatch, tmp_path, script: str) -> None:
+    """Forget the loaded library; the next load() builds into tmp_path with this compiler script."""
     monkeypatch.setattr(cpu_native, "_lib", None)
     monkeypatch.setattr(cpu_native, "_tried", False)
     monkeypatch.setattr(cpu_native, "_why_not", "")
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
-    broken = tmp_path / "broken-cc"
-    broken.write_text("#!/bin/sh\necho 'cc: internal error' >&2\nexit 1\n")
-    broken.chmod(0o755)
-    monkeypatch.setenv("CC", str(broken))
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\n" + script)
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+
+
+def test_a_compiler_without_openmp_still_gets_serial_kernels(monkeypatch, tmp_path, caplog):
+    real = shutil.which("gcc") or shutil.which("cc")
+    _fresh_build_with(monkeypatch, tmp_path, 'for a in "$@"; do [ "$a" = -fopenmp ] && '
+                      '{ echo "unsupported option -fopenmp" >&2; exit 1; }; done\nexec ' + real + ' "$@"\n')
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
+        assert cpu_native.load() is not None
+    assert "built without -fopenmp (" in caplog.text and "unsupported option -fopenmp" in caplog.text
+    inputs = make_paged_inputs([1] * 4, [5, 40, 17, 100], 9, 3, 64, 16)
+    meta = inputs.meta
+    out = cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+                                            meta.context_lens, inputs.scale, num_threads=2)
+    ref = paged_decode_attention_ref(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+                                     meta.context_lens, meta.max_context_len, inputs.scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_build_falls_back_to_torch_and_says_why(monkeypatch, tmp_path, caplog):
+    _fresh_build_with(monkeypatch, tmp_path, "echo 'cc: internal error' >&2\nexit 1\n")
     with caplog.at_level(logging.WARNING, logger="kernels.cpu_native"):
         assert cpu_native.load() is None
     assert "internal error" in cpu_native.why_unavailable()
