@@ -197,7 +197,10 @@ FROM shards GROUP BY job_id
 _JOBS = """
 WITH j AS (
     SELECT coalesce(r.job_id, s.job_id) AS job_id,
-        CASE WHEN coalesce(s.completed, 0) = coalesce(r.num_shards, s.n) THEN 'completed'
+        -- a cancel that lands while the last shards run still ends 'cancelled' (their unfinished
+        -- rows are marked so) even when every shard commits; one asked after the end changes nothing
+        CASE WHEN coalesce(s.completed, 0) = coalesce(r.num_shards, s.n)
+                  AND (c.cancel_ts IS NULL OR epoch(s.finished_at) <= c.cancel_ts) THEN 'completed'
              WHEN c.cancel_ts IS NOT NULL THEN 'cancelled'
              WHEN coalesce(s.queued, 0) + coalesce(s.running, 0) = 0 AND s.failed > 0 THEN 'failed'
              WHEN coalesce(s.running, 0) + coalesce(s.completed, 0) > 0 THEN 'running'

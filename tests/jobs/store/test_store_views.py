@@ -135,6 +135,25 @@ def test_cancel_marks_unfinished_shards_cancelled(tmp_path):
     assert _one(con, "SELECT count(*) FROM outputs") == [(2,)]  # finished rows stay
 
 
+def test_a_cancel_during_the_last_shards_ends_cancelled_one_after_the_end_does_not(tmp_path):
+    store = Store(tmp_path)
+    con = connect(tmp_path)
+    store.record_job(JobRecord("job-late", "tiny", 4, 2, time.time()))
+    _commit_shard(store, "job-late", 0)
+    store.begin_attempt("job-late", 1, 1, "w")
+    store.request_cancel("job-late", reason="user asked")
+    time.sleep(0.01)
+    _commit_shard(store, "job-late", 1)  # the running shard commits its rows (some marked cancelled)
+    late = _one(con, "SELECT status, shards_completed FROM jobs WHERE job_id = 'job-late'")
+    assert late == [("cancelled", 2)]
+
+    store.record_job(JobRecord("job-done", "tiny", 2, 1, time.time()))
+    _commit_shard(store, "job-done", 0)
+    time.sleep(0.01)
+    store.request_cancel("job-done", reason="too late")
+    assert _one(con, "SELECT status FROM jobs WHERE job_id = 'job-done'") == [("completed",)]
+
+
 def test_requests_live_shows_the_latest_uncommitted_attempt(tmp_path):
     store = Store(tmp_path)
     old = store.begin_attempt("job-l", 0, 1, "w")
