@@ -13,18 +13,14 @@ empty state. Page queries run with a time limit, and one that meets a part file 
 from __future__ import annotations
 
 import threading
-import time
 
 import duckdb
 from flask import Flask, current_app, g
 
 from jobs.store.catalog import connect
 from jobs.store.layout import Layout
-from jobs.store.usersql import QueryResult, UserSqlError, run_query
+from jobs.store.usersql import QueryResult, run_query
 
-# How often a query is tried when a part file vanishes under it, and the pause between tries.
-QUERY_TRIES = 4
-RETRY_PAUSE_S = 0.05
 # Rows one page query may return: the series are bucketed in SQL far below this.
 MAX_PAGE_ROWS = 200_000
 
@@ -76,21 +72,14 @@ def close_db(exc: BaseException | None = None) -> None:
 def run(sql: str, params: Params = None) -> QueryResult | None:
     """Run one of the dashboard's parameterized queries on this request's cursor.
 
-    The store's `run_query` bounds it in time (PAGE_QUERY_TIMEOUT_S); a part file that vanishes
-    under the query (the compactor at work) makes it run again. None when there is no data dir.
+    The store's `run_query` bounds it in time (PAGE_QUERY_TIMEOUT_S) and runs it again when a part
+    file vanishes under it (the compactor at work). None when there is no data dir.
     """
     db = get_db()
     if db is None:
         return None
-    timeout_s = current_app.config["PAGE_QUERY_TIMEOUT_S"]
-    for attempt in range(QUERY_TRIES):
-        try:
-            return run_query(db, sql, params, timeout_s=timeout_s, max_rows=MAX_PAGE_ROWS)
-        except UserSqlError as exc:
-            if not isinstance(exc.__cause__, duckdb.IOException) or attempt == QUERY_TRIES - 1:
-                raise
-            time.sleep(RETRY_PAUSE_S * (attempt + 1))
-    raise AssertionError("unreachable")
+    return run_query(db, sql, params, timeout_s=current_app.config["PAGE_QUERY_TIMEOUT_S"],
+                     max_rows=MAX_PAGE_ROWS)
 
 
 def fetch_dicts(sql: str, params: Params = None) -> list[dict]:

@@ -53,9 +53,27 @@ class QueryResult:
     elapsed_s: float  # wall time of execute + fetch
 
 
+QUERY_TRIES = 4  # a query whose part file vanished under it (compaction's garbage collection) runs again
+RETRY_PAUSE_S = 0.05
+
+
 def run_query(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any] | list | None = None, *,
-              timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS) -> QueryResult:
-    """Run one query with a deadline (interrupting it) and a row cap."""
+              timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS,
+              tries: int = QUERY_TRIES) -> QueryResult:
+    """Run one query with a deadline (interrupting it) and a row cap. A file error (the compactor
+    removed a part the query had listed) runs it again, up to `tries` times in all."""
+    for attempt in range(tries):
+        try:
+            return _run_once(con, sql, params, timeout_s, max_rows)
+        except UserSqlError as exc:
+            if not isinstance(exc.__cause__, duckdb.IOException) or attempt == tries - 1:
+                raise
+            time.sleep(RETRY_PAUSE_S * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _run_once(con: duckdb.DuckDBPyConnection, sql: str, params, timeout_s: float,
+              max_rows: int) -> QueryResult:
     start = time.perf_counter()
     guard = _Deadline(con, timeout_s)
     try:

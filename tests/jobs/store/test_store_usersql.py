@@ -151,3 +151,26 @@ def test_batchgen_sql_formats_and_refusals(data_dir, monkeypatch):
     assert capped.stdout.splitlines() == ["range", "0", "1"] and "output cut at 2 rows" in capped.stderr
     missing = runner.invoke(cli, ["sql", "SELECT 1", "--data-dir", str(data_dir / "nope")])
     assert missing.exit_code != 0 and "does not exist" in missing.output
+
+
+def test_a_part_file_that_vanishes_under_a_query_makes_it_run_again(tmp_path, monkeypatch):
+    """What the compactor's garbage collection does to a query in flight: the file it listed is
+    gone. run_query (the dashboard's and `batchgen sql`'s one path) runs it again."""
+    from jobs.store import usersql
+
+    path = tmp_path / "part.parquet"
+    pauses = []
+
+    def pause(seconds):  # the part reappears (as the compacted file would) while run_query waits
+        pauses.append(seconds)
+        duckdb.connect().execute(f"COPY (SELECT 42 AS x) TO '{path}' (FORMAT parquet)")
+
+    monkeypatch.setattr(usersql.time, "sleep", pause)
+    con = duckdb.connect()
+    assert run_query(con, f"SELECT x FROM read_parquet('{path}')").rows == [(42,)]
+    assert len(pauses) == 1
+    with pytest.raises(UserSqlError, match="does not exist|No files found"):
+        run_query(con, f"SELECT * FROM read_parquet('{tmp_path / 'never.parquet'}')", tries=2)
+    with pytest.raises(UserSqlError):
+        run_query(con, "SELEC 1")  # not a file error: no second try
+    assert len(pauses) == 2
