@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.broker import BrokerSettings
-from jobs.leases import AttemptView, ShardLeases
+from jobs.leases import AttemptView, Lease, LeaseState, ShardLeases
 from jobs.manifest import JobManifest, JobPaths, list_job_ids, load_manifest
 from jobs.store.parts import Store
 from jobs.store.schemas import ShardEvent
@@ -159,6 +159,9 @@ def _requeue_job(manifest: JobManifest, store: Store, broker: BrokerSettings) ->
         if not leases.mark_requeued(shard_id, view.attempt):
             continue
         retries = retries_used(leases, shard_id, attempts)
+        if retries > manifest.max_retries:  # it keeps killing its workers (out of memory, say)
+            _give_up_on(manifest, store, leases, view, retries)
+            continue
         log.warning("job %s shard %d: attempt %d is dead; re-queueing it", manifest.job_id, shard_id,
                     view.attempt)
         store.record_shard_events([ShardEvent(manifest.job_id, shard_id, "queued", time.time(),
@@ -174,17 +177,32 @@ def _requeue_job(manifest: JobManifest, store: Store, broker: BrokerSettings) ->
 
 
 def retries_used(leases: ShardLeases, shard_id: int, attempts: list[int]) -> int:
-    """Retries a shard used since it last failed for good (a user's `retry` starts a new budget)."""
+    """Retries a shard used since it last failed for good (a user's `retry` starts a new budget):
+    attempts that failed and were retried, and attempts whose worker died and were re-queued."""
     used = 0
     for attempt in attempts:
-        st = leases.view(shard_id, attempt).state
-        if st is None:
-            continue
-        if st.state == "failed":
+        view = leases.view(shard_id, attempt)
+        st = view.state
+        if st is not None and st.state == "failed":
             used = 0
-        elif st.state == "retrying":
+        elif st is not None and st.state == "retrying":
+            used += 1
+        elif view.requeued and (st is None or st.state == "running"):  # died, and was re-queued
             used += 1
     return used
+
+
+def _give_up_on(manifest: JobManifest, store: Store, leases: ShardLeases, view: AttemptView,
+                retries: int) -> None:
+    """Fail a shard for good whose workers died more often than the job's max_retries allows."""
+    worker = view.state.worker_id if view.state is not None else "unknown"
+    note = (f"worker died running attempt {view.attempt} ({worker}); gave up after {retries} re-queues "
+            f"and retries (max_retries {manifest.max_retries})")
+    log.error("job %s shard %d: %s", manifest.job_id, view.shard_id, note)
+    state = view.state or LeaseState(worker, "", 0, view.attempt, "running", view.claimed_ts, view.claimed_ts)
+    Lease(leases, view.shard_id, state).end("failed", note)
+    store.record_shard_events([ShardEvent(manifest.job_id, view.shard_id, "failed", time.time(),
+                                          attempt=view.attempt, worker_id=worker, error=note)])
 
 
 def compact_every_s() -> float:
