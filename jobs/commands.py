@@ -50,7 +50,7 @@ _JOB_OPTIONS = [
     click.option("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, show_default=True,
                  help="Rows per shard (one task each)."),
     click.option("--max-retries", type=int, default=3, show_default=True,
-                 help="Retries of a failing shard before it fails for good."),
+                 help="Retries of a shard that fails or whose worker dies before it fails for good."),
     click.option("--retry-backoff", type=float, default=5.0, show_default=True,
                  help="Seconds before the first retry (doubles each retry)."),
     click.option("--job-id", help="Job id (default job-<utc time>-<random>)."),
