@@ -72,3 +72,12 @@ def _args(config):
     from engine.model import ModelArgs
 
     return ModelArgs.from_hf_config(config)
+
+
+def test_the_gemm_comparison_script_measures_both_paths(capsys, monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "flops_per_s", lambda m, k, n, packed, seconds=0.3: 2e9 if packed else 1e9)
+    cpu_gemm.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert "oneDNN packed GF/s" in lines[0] and lines[2].split() == ["128x576x960", "1", "2"]
+    assert cpu_gemm.flops_per_s(8, 16, 16, True, seconds=0.01) > 0
+    assert cpu_gemm.flops_per_s(8, 16, 16, False, seconds=0.01) > 0
