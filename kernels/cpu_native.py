@@ -201,6 +201,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     x (T, D); the same contract as kernels.rms_norm's references."""
     stride = _rows(x, "rms_norm")
     rows, dim = x.shape
+    if weight.numel() != dim or (residual is not None and residual.shape != x.shape):
+        got = "" if residual is None else f", residual {tuple(residual.shape)}"
+        raise ValueError(f"native rms_norm: x {tuple(x.shape)} needs a weight of {dim} and a residual of its "
+                         f"shape; got weight {weight.numel()}{got}")
     out = torch.empty((rows, dim), dtype=x.dtype)
     residual_out = None
     if residual is not None:
@@ -221,6 +225,13 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         raise ValueError("native rotary: q and k need contiguous head dims, cos_sin_cache contiguity")
     positions = positions.to(torch.int64).contiguous()
     rows, dim = q.shape[0], q.shape[2]
+    if k.shape[0] != rows or k.shape[2] != dim or positions.numel() != rows or cos_sin_cache.shape[-1] != dim:
+        raise ValueError(f"native rotary: q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
+                         f"{tuple(positions.shape)}, cos_sin_cache {tuple(cos_sin_cache.shape)} do not fit")
+    lo, hi = (int(positions.min()), int(positions.max())) if rows else (0, 0)
+    if not 0 <= lo <= hi < cos_sin_cache.shape[0]:
+        raise IndexError(f"native rotary: positions {lo}..{hi} outside the rotary cache's "
+                         f"{cos_sin_cache.shape[0]} positions")
     load().rotary_f32(positions.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), q.shape[1],
                       k.data_ptr(), k.stride(0), k.stride(1), k.shape[1], cos_sin_cache.data_ptr(), rows, dim,
                       torch.get_num_threads())
@@ -230,6 +241,8 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x (T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
     stride = _rows(x, "silu_and_mul")
+    if x.shape[1] % 2:
+        raise ValueError(f"native silu_and_mul: x needs [gate | up] halves, got an odd width {x.shape[1]}")
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, inter), dtype=x.dtype)
     load().silu_and_mul_f32(x.data_ptr(), stride, out.data_ptr(), rows, inter, torch.get_num_threads())

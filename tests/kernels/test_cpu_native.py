@@ -206,3 +206,18 @@ def test_store_kv_cache_writes_strided_rows_skips_minus_one_and_refuses_bad_slot
     with pytest.raises(IndexError, match="token 1 has slot 48, outside the cache's 48 slots"):
         cpu_native.store_kv_cache(key, value, caches[0], caches[1], torch.tensor([0, 48, 1, 2, 3]))
 
+
+
+def test_elementwise_inputs_that_do_not_fit_are_refused_before_any_memory_is_touched():
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="needs a weight of 64"):
+        cpu_native.rms_norm(x, torch.ones(32), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        cpu_native.rms_norm(x, torch.ones(64), 1e-5, torch.randn(2, 64))
+    with pytest.raises(ValueError, match="odd width"):
+        cpu_native.silu_and_mul(torch.randn(3, 7))
+    q, k = torch.randn(3, 9, 64), torch.randn(3, 3, 64)
+    with pytest.raises(IndexError, match="positions 0..16 outside the rotary cache's 16 positions"):
+        cpu_native.rotary_embedding(torch.tensor([0, 5, 16]), q, k, torch.randn(16, 64))
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.rotary_embedding(torch.tensor([0, 1, 2]), q, k, torch.randn(16, 32))
