@@ -141,8 +141,10 @@ def why_unavailable() -> str:
 
 
 def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the native kernels apply: enabled, fp32 CPU tensors, a loadable library."""
-    return (enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    """Whether the native kernels apply: enabled, fp32 CPU tensors whose last dims are contiguous, a
+    loadable library. Anything else takes the torch path."""
+    return (enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1
+                              for t in tensors)
             and load() is not None)
 
 

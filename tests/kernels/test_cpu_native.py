@@ -221,3 +221,9 @@ def test_elementwise_inputs_that_do_not_fit_are_refused_before_any_memory_is_tou
         cpu_native.rotary_embedding(torch.tensor([0, 5, 16]), q, k, torch.randn(16, 64))
     with pytest.raises(ValueError, match="do not fit"):
         cpu_native.rotary_embedding(torch.tensor([0, 1, 2]), q, k, torch.randn(16, 32))
+
+
+def test_inputs_with_a_strided_last_dim_take_the_torch_path():
+    x = torch.randn(64, 6).t()  # (6, 64), last dim strided
+    assert not cpu_native.supports(x)
+    torch.testing.assert_close(ops.silu_and_mul(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])
