@@ -56,10 +56,12 @@ def unique_queue(name: str) -> str:
 
 
 def submit(data_dir: Path, source: Path, broker: BrokerSettings, *, shard_size: int, max_tokens: int,
-           max_retries: int = 3, retry_backoff_s: float = 0.2, engine: dict | None = None) -> JobManifest:
+           max_retries: int = 3, retry_backoff_s: float = 0.2, engine: dict | None = None,
+           apply_chat_template: str = "never") -> JobManifest:
+    """Submit and publish a job; prompts go in raw by default, so outputs match `LLM.generate`."""
     req = JobRequest(str(source), str(data_dir), engine or {"model": MODEL},
                      {"max_tokens": max_tokens, "temperature": 0.0}, shard_size, max_retries=max_retries,
-                     retry_backoff_s=retry_backoff_s)
+                     retry_backoff_s=retry_backoff_s, apply_chat_template=apply_chat_template)
     manifest = prepare_job(req, broker)
     publish_job(manifest, broker)
     return manifest

@@ -50,7 +50,9 @@ def test_shard_commits_greedy_outputs_once(runtime, data_dir, tmp_path):
     m, texts = _job(data_dir, tmp_path, 5, 5)
     out = process_shard(_task(m, 0), runtime)
     assert (out.result, out.attempt, out.rows) == ("committed", 1, 5)
-    ref = LLM(MODEL).generate(texts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    # --apply-chat-template auto (the default): the model has a template, so a prompt is a user turn
+    ref = LLM(MODEL).chat([[{"role": "user", "content": t}] for t in texts],
+                          SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     rows = outputs_of(data_dir, m.job_id)
     assert [r["output_text"] for r in rows] == [o.text for o in ref]
     assert [r["output_tokens"] for r in rows] == [len(o.token_ids) for o in ref]
