@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jobs.manifest import JobManifest
+from jobs.status import REQUEST_OUTCOMES_SQL
 from jobs.store.catalog import connect
 
 
@@ -15,10 +16,10 @@ class JobSummary:
     job_id: str
     status: str  # the `jobs` view status
     num_requests: int  # input rows
-    rows_ok: int = 0  # finish_reason stop or length
-    rows_error: int = 0  # finish_reason error
-    rows_cancelled: int = 0  # finish_reason cancelled
-    prompt_tokens: int = 0
+    rows_ok: int = 0  # every sample finished with stop or length
+    rows_error: int = 0  # a sample with finish_reason error
+    rows_cancelled: int = 0  # a sample with finish_reason cancelled (and none with error)
+    prompt_tokens: int = 0  # once per row (its samples share the prompt)
     output_tokens: int = 0
     generation_s: float = 0.0  # first shard started -> last shard finished
     shards_failed: int = 0
@@ -44,9 +45,10 @@ def job_summary(manifest: JobManifest) -> JobSummary:
     try:
         job = con.execute("SELECT status, epoch(started_at), epoch(finished_at) FROM jobs WHERE job_id = ?",
                           [manifest.job_id]).fetchone()
-        reasons = con.execute(
-            "SELECT finish_reason, count(*), sum(prompt_tokens), sum(output_tokens) FROM outputs "
-            "WHERE job_id = ? GROUP BY finish_reason", [manifest.job_id]).fetchall()
+        outcomes = con.execute("SELECT outcome, count(*) FROM (" + REQUEST_OUTCOMES_SQL.format(
+            where="WHERE job_id = ?") + ") GROUP BY outcome", [manifest.job_id]).fetchall()
+        tokens = con.execute("SELECT sum(prompt_tokens) FILTER (WHERE coalesce(sample_index, 0) = 0), "
+                             "sum(output_tokens) FROM outputs WHERE job_id = ?", [manifest.job_id]).fetchone()
         failed = con.execute("SELECT shard_id, error FROM shards WHERE job_id = ? AND status = 'failed' "
                              "ORDER BY shard_id", [manifest.job_id]).fetchall()
     finally:
@@ -56,13 +58,8 @@ def job_summary(manifest: JobManifest) -> JobSummary:
                          failures=[f"shard {s}: {e}" for s, e in failed])
     if started and finished:
         summary.generation_s = max(finished - started, 0.0)
-    for reason, n, prompt, output in reasons:
-        if reason in ("stop", "length"):
-            summary.rows_ok += n
-        elif reason == "error":
-            summary.rows_error += n
-        else:
-            summary.rows_cancelled += n
-        summary.prompt_tokens += int(prompt or 0)
-        summary.output_tokens += int(output or 0)
+    counts = dict(outcomes)
+    summary.rows_ok, summary.rows_error = counts.get("completed", 0), counts.get("failed", 0)
+    summary.rows_cancelled = counts.get("cancelled", 0)
+    summary.prompt_tokens, summary.output_tokens = int(tokens[0] or 0), int(tokens[1] or 0)
     return summary

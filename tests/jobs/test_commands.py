@@ -115,9 +115,9 @@ def test_run_end_to_end_writes_every_row_once_in_input_order(tmp_path):
     assert "max_tokens must be an integer >= 1" in table[1]["error"] and table[3]["error"] == "empty prompt"
     assert "max_model_len is 64" in table[5]["error"]
     ok = [0, 2, 4, 6]
-    with one_torch_thread():
+    with one_torch_thread():  # --apply-chat-template auto: the model has a template, a prompt is a user turn
         params = [SamplingParams(max_tokens=5 if i == 4 else 12, temperature=0.0) for i in ok]
-        ref = LLM(MODEL, max_model_len=64).generate([texts[i] for i in ok], params)
+        ref = LLM(MODEL, max_model_len=64).chat([[{"role": "user", "content": texts[i]}] for i in ok], params)
     assert [table[i]["output_text"] for i in ok] == [o.text for o in ref]
     # the finished job was compacted: one file per kind instead of a part per flush
     compacted = list((tmp_path / "data" / "store" / "tables").glob("outputs/compacted/*/*.parquet"))
