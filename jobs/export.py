@@ -103,7 +103,11 @@ def _input_rows(manifest: JobManifest) -> dict[str, _InputRow]:
     order = {}
     columns = [ROW_COLUMN, REQUEST_ID_COLUMN] + ([URL_COLUMN] if manifest.input_format == "openai" else [])
     for shard in manifest.shards:
-        t = pq.read_table(shard.path, columns=columns)
+        try:
+            t = pq.read_table(shard.path, columns=columns)
+        except (OSError, pa.ArrowException) as exc:
+            raise ExportError(f"shard file {shard.path} is unreadable, so the rows of shard {shard.shard_id} "
+                              f"cannot be listed ({str(exc).strip().splitlines()[0]})") from None
         urls = t.column(URL_COLUMN).to_pylist() if URL_COLUMN in columns else [None] * t.num_rows
         rows, ids = t.column(ROW_COLUMN).to_pylist(), t.column(REQUEST_ID_COLUMN).to_pylist()
         for row, rid, url in zip(rows, ids, urls, strict=True):

@@ -62,8 +62,8 @@ class JsonlInput:
             if not found.format:
                 found.format, found.first_line = fmt, line_no
             if fmt != found.format:
-                raise InputError(f"{path} line {line_no}: {_FORMAT_NAMES[fmt]} in a file of "
-                                 f"{_FORMAT_NAMES[found.format]}s (line {found.first_line}); "
+                raise InputError(f"{path} line {line_no}: {_FORMAT_NAMES[fmt][0]}, but line "
+                                 f"{found.first_line} makes this a file of {_FORMAT_NAMES[found.format][1]}; "
                                  "one format per file")
             row = found._row(obj, line_no)
             columns.observe(row, f"{path} line {line_no}")
@@ -114,7 +114,8 @@ class JsonlInput:
             yield _batch(rows, lines, schema, self.path), lines
 
 
-_FORMAT_NAMES = {"openai": "an OpenAI batch request line", "jsonl": "a plain row"}
+_FORMAT_NAMES = {"openai": ("an OpenAI batch request line", "OpenAI batch request lines"),
+                 "jsonl": ("a plain row", "plain rows")}
 
 
 def _objects(path: Path) -> Iterator[tuple[int, dict]]:

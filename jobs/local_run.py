@@ -87,13 +87,16 @@ class LocalRun:
 
     def _publish(self) -> bool:
         """Queue the job's shards (on a resume: those not committed); False when none is left."""
-        from jobs.resume import describe_resume, resume_job
+        from jobs.resume import JobBusyError, describe_resume, resume_job
         from jobs.submit import publish_job
 
         if not self.resume:
             publish_job(self.manifest, self.broker)
             return True
-        pending = resume_job(self.manifest, self.broker)
+        try:
+            pending = resume_job(self.manifest, self.broker)
+        except JobBusyError as exc:
+            raise RunError(str(exc)) from None
         click.echo(describe_resume(self.manifest, pending), err=True)
         return bool(pending)
 
@@ -304,7 +307,7 @@ def progress_line(progress: JobProgress, gen_start: float | None) -> str:
 
 def _tok_s(progress: JobProgress, gen_start: float | None) -> float:
     elapsed = time.monotonic() - gen_start if gen_start else 0.0
-    return progress.output_tokens / elapsed if elapsed > 0 else 0.0
+    return progress.output_tokens / elapsed if elapsed >= 1.0 else 0.0  # no rate from one poll
 
 
 def _duration(seconds: float) -> str:

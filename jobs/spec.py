@@ -349,7 +349,7 @@ def _first_line(exc: BaseException) -> str:
 # ---------------------------------------------------------------- the model
 
 
-def check_model(name: str, *, local: bool) -> None:
+def check_model(name: str, *, local: bool, what: str = "--model") -> None:
     """Refuse a model name that names nothing, before a job is recorded (InputError, exit 2).
 
     A registry name, the random test model, an existing directory or GGUF file, or a Hugging Face
@@ -366,7 +366,7 @@ def check_model(name: str, *, local: bool) -> None:
     try:
         resolve_model(name)
     except ModelNotFoundError as exc:
-        raise InputError(f"--model: {exc}") from None
+        raise InputError(f"{what}: {exc}") from None
 
 
 def _looks_like_hub_id(name: str) -> bool:

@@ -188,7 +188,7 @@ def _job_model(req: JobRequest, read: _Read) -> str:
     if req.model_given:
         raise InputError(f"{read.model_where}: body.model {read.model!r} differs from --model {asked!r}; "
                          "drop body.model from the file or run it with --model " + read.model)
-    check_model(read.model, local=req.local)
+    check_model(read.model, local=req.local, what=f"{read.model_where}: body.model")
     return read.model
 
 
