@@ -5,10 +5,11 @@ plain row (`{"prompt": ..., "id": ..., "max_tokens": ...}`, other keys carried t
 Parquet columns). Either way each line becomes a row with the input columns of jobs.spec, so
 everything after (shards, workers, outputs) is the same as for Parquet input.
 
-Read in two passes, so a bad line is refused before any shard is written and every batch of the
-file has one Arrow schema: `JsonlInput.scan` checks every line (JSON object, one format, fields
-typed) and settles the type of each carried-through key; `batches` then converts the lines a few
-thousand at a time. Errors name the file, the line (1-based) and the field.
+Errors name the file, the line (1-based) and the field, and come before any shard of the job is
+in place (shards are written to a staging directory first). OpenAI request lines have fixed columns
+and are checked as they are read; plain rows are read twice, so that every batch of the file has one
+Arrow schema: `JsonlInput.scan` checks every line and settles the type of each carried-through key,
+`batches` converts the lines a few thousand at a time.
 """
 
 from __future__ import annotations
@@ -49,32 +50,31 @@ class JsonlInput:
     schema: pa.Schema = field(default_factory=lambda: pa.schema([]))  # the input columns
     model: str | None = None  # body.model of the OpenAI requests (all the same), if given
     model_line: int = 0  # the first line that named it
-    first_line: int = 0  # the first non-blank line (it decided the format)
-    num_rows: int = 0
+    first_line: int = 0  # the first non-blank line (it decides the format)
 
     @classmethod
     def scan(cls, path: Path) -> JsonlInput:
-        """Check every line; raise InputError naming the line and field of the first bad one."""
+        """The file's format (from its first line) and columns; plain rows are all checked now, OpenAI
+        request lines as `batches` reads them. InputError names the line and field of a bad one."""
         found = cls(path)
-        columns = _Columns()
-        for line_no, obj in _objects(path):
-            fmt = "openai" if openai_batch.is_request_line(obj) else "jsonl"
-            if not found.format:
-                found.format, found.first_line = fmt, line_no
-            if fmt != found.format:
-                raise InputError(f"{path} line {line_no}: {_FORMAT_NAMES[fmt][0]}, but line "
-                                 f"{found.first_line} makes this a file of {_FORMAT_NAMES[found.format][1]}; "
-                                 "one format per file")
-            row = found._row(obj, line_no)
-            columns.observe(row, f"{path} line {line_no}")
-            found.num_rows += 1
-        if not found.num_rows:
+        first = next(_objects(path), None)
+        if first is None:
             raise InputError(f"input {path} has no rows")
+        found.first_line = first[0]
+        found.format = "openai" if openai_batch.is_request_line(first[1]) else "jsonl"
+        columns = _Columns()
+        if found.format == "jsonl":
+            for line_no, obj in _objects(path):
+                columns.observe(found._row(obj, line_no), f"{path} line {line_no}")
         found.schema = columns.schema(OPENAI_COLUMNS if found.format == "openai" else ())
         return found
 
     def _row(self, obj: dict, line_no: int) -> dict:
         where = f"{self.path} line {line_no}"
+        fmt = "openai" if openai_batch.is_request_line(obj) else "jsonl"
+        if fmt != self.format:
+            raise InputError(f"{where}: {_FORMAT_NAMES[fmt][0]}, but line {self.first_line} makes this a "
+                             f"file of {_FORMAT_NAMES[self.format][1]}; one format per file")
         if self.format == "jsonl":
             return typed_row(obj, where, "")
         try:

@@ -107,8 +107,8 @@ class _InputFile:
     format: str  # parquet | jsonl (plain rows) | openai (OpenAI Batch request lines)
     schema: pa.Schema  # the input columns (internal ones, such as an OpenAI line's url, excluded)
     batches: Callable[[], Iterator[tuple[pa.RecordBatch, list[int] | None]]]  # (rows, JSONL line numbers)
-    model: str | None = None  # the model the file's requests name (OpenAI body.model)
-    model_where: str = ""  # where it is named first
+    # once read: the model the file's requests name (OpenAI body.model) or None, and where first
+    model: Callable[[], tuple[str | None, str]] = lambda: (None, "")
 
 
 def _open_input(path: Path) -> _InputFile:
@@ -116,8 +116,8 @@ def _open_input(path: Path) -> _InputFile:
         from jobs.jsonl_input import JsonlInput
 
         source = JsonlInput.scan(path)
-        return _InputFile(path, source.format, source.schema, source.batches, source.model,
-                          f"{path} line {source.model_line}")
+        return _InputFile(path, source.format, source.schema, source.batches,
+                          lambda: (source.model, f"{path} line {source.model_line}"))
     pf = open_parquet(path)
     batches = lambda: ((b, None) for b in pf.iter_batches(batch_size=READ_BATCH_ROWS))
     return _InputFile(path, "parquet", pf.schema_arrow, batches)
@@ -172,12 +172,13 @@ def _take_file(source: _InputFile, read: _Read, writer: ShardWriter, ids: Reques
             raise InputError(f"{source.path}: {source.format} input, but the first file is {read.format}; "
                              "one job reads one format")
         read.schema.check_same(source.schema, source.path)
-    if source.model is not None:
-        if read.model is not None and source.model != read.model:
-            raise InputError(f"{source.model_where}: body.model {source.model!r} differs from "
-                             f"{read.model!r} ({read.model_where}); one job runs one model")
-        read.model, read.model_where = source.model, source.model_where
     read.max_n = max(read.max_n, _read_file(source, writer, ids))
+    model, where = source.model()
+    if model is not None:
+        if read.model is not None and model != read.model:
+            raise InputError(f"{where}: body.model {model!r} differs from {read.model!r} "
+                             f"({read.model_where}); one job runs one model")
+        read.model, read.model_where = model, where
 
 
 def _job_model(req: JobRequest, read: _Read) -> str:

@@ -40,6 +40,20 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def worker_runtime(data_dir: Path, worker_id: str, **config) -> Iterator:
+    """An in-process WorkerRuntime over the tiny model on one torch thread, stopped at the end."""
+    from engine import EngineConfig
+    from jobs.runtime import WorkerRuntime
+
+    with one_torch_thread():
+        runtime = WorkerRuntime(EngineConfig(model=MODEL, **config), worker_id, data_dir).start()
+        try:
+            yield runtime
+        finally:
+            runtime.stop()
+
+
 def prompts(n: int, offset: int = 0) -> list[str]:
     """Distinct prompts of varied length (byte tokenizer: a character is a token)."""
     return [f"prompt {offset + i}: " + "abcdefgh"[: (i * 3) % 8 + 1] * ((i % 4) + 1) for i in range(n)]

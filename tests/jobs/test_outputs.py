@@ -15,17 +15,16 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, SamplingParams
 from jobs.broker import resolve_broker
 from jobs.cli import cli
 from jobs.export import ExportError, errors_path, export_job
 from jobs.leases import ShardLeases
 from jobs.manifest import JobPaths, load_manifest, write_manifest
-from jobs.runtime import WorkerRuntime
 from jobs.shard_runner import ShardTask, plan_requests, process_shard, sample_seed
 from jobs.submit import JobRequest, prepare_job
 from jobs.supervise import job_progress
-from tests.jobs.helpers import MODEL, one_torch_thread, outputs_of, query, shards_of, wait_for
+from tests.jobs.helpers import MODEL, one_torch_thread, outputs_of, query, shards_of, wait_for, worker_runtime
 from tests.jobs.test_jsonl_input import COMPLETIONS, chat, request, write_jsonl
 
 MAX_TOKENS = 6
@@ -38,10 +37,8 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runtime(data_dir):
-    with one_torch_thread():
-        rt = WorkerRuntime(EngineConfig(model=MODEL, max_num_seqs=8), "w-out", data_dir).start()
+    with worker_runtime(data_dir, "w-out", max_num_seqs=8) as rt:
         yield rt
-        rt.stop()
 
 
 @pytest.fixture(scope="module")
@@ -291,24 +288,20 @@ def test_openai_output_for_failed_and_cancelled_shards(runtime, data_dir, tmp_pa
 def test_hand_back_ends_the_attempt_and_queues_the_shard_without_a_retry(data_dir, tmp_path):
     src = _parquet(tmp_path, prompt=["a", "b", "c", "d"], max_tokens=[1900] * 4, ignore_eos=[True] * 4)
     m = _job(data_dir, src, apply_chat_template="never")
-    with one_torch_thread():
-        rt = WorkerRuntime(EngineConfig(model=MODEL, max_num_seqs=8), "w-handback", data_dir).start()
-        try:
-            engine, step = rt.loop.engine, rt.loop.engine.step
-            engine.step = lambda: (time.sleep(0.003), step())[1]  # pace the tiny model: seconds, not ms
-            result = {}
-            task = ShardTask(m.job_id, 0, m.shard(0).path, m.data_dir)
-            worker = threading.Thread(target=lambda: result.update(out=process_shard(task, rt)))
-            start = rt.iterations
-            worker.start()
-            wait_for(lambda: rt.iterations > start + 20, 30, "the shard to be running")
-            rt.hand_back()
-            worker.join(60)
-            assert result["out"].result == "handed_back"
-            late = process_shard(ShardTask(m.job_id, 0, m.shard(0).path, m.data_dir), rt)
-            assert late.result == "handed_back", "a delivery after the interrupt is handed back unstarted"
-        finally:
-            rt.stop()
+    with worker_runtime(data_dir, "w-handback", max_num_seqs=8) as rt:
+        engine, step = rt.loop.engine, rt.loop.engine.step
+        engine.step = lambda: (time.sleep(0.003), step())[1]  # pace the tiny model: seconds, not ms
+        result = {}
+        task = ShardTask(m.job_id, 0, m.shard(0).path, m.data_dir)
+        worker = threading.Thread(target=lambda: result.update(out=process_shard(task, rt)))
+        start = rt.iterations
+        worker.start()
+        wait_for(lambda: rt.iterations > start + 20, 30, "the shard to be running")
+        rt.hand_back()
+        worker.join(60)
+        assert result["out"].result == "handed_back"
+        late = process_shard(ShardTask(m.job_id, 0, m.shard(0).path, m.data_dir), rt)
+        assert late.result == "handed_back", "a delivery after the interrupt is handed back unstarted"
     leases = ShardLeases(JobPaths.of(m.data_dir, m.job_id).leases)
     assert leases.view(0, 1).state.state == "handed_back"
     assert job_progress(m).shards[0].state == "queued"
