@@ -31,11 +31,14 @@ from jobs.broker import BROKER_ENV, BrokerSettings
 from jobs.leases import lease_ttl_s
 from jobs.manifest import JobManifest, JobPaths
 from jobs.store.parts import Store
-from jobs.supervise import JobProgress, job_progress, requeue_dead_shards
+from jobs.supervise import JobProgress, hand_back_dead_attempts, job_progress, requeue_dead_shards
 
 POLL_S = 0.5
 STOP_TIMEOUT_S = 60.0
-HAND_BACK_TIMEOUT_S = 20.0  # after Ctrl-C, a worker that has not handed its shards back by then is killed
+# After Ctrl-C a worker hands its shards back at the end of the engine step it is in (under a second
+# to a few seconds on CPU); one still busy after this long (a long prefill on a loaded machine) is
+# killed, and its attempts are ended as handed back on its behalf.
+HAND_BACK_TIMEOUT_S = 5.0
 MAX_RESTARTS = 3  # per worker slot, for workers killed by a signal
 LOG_TAIL_LINES = 15
 PROGRESS_LOG_S = 5.0  # a progress log line this often when stderr is not a terminal
@@ -137,18 +140,21 @@ class LocalRun:
         # warm shutdown: finish and commit the shards in flight
         self._signal_workers(signal.SIGTERM, STOP_TIMEOUT_S)
 
-    def _signal_workers(self, sig: int, timeout_s: float) -> None:
-        """Send `sig` to every live worker, wait up to `timeout_s` for all to exit, kill the rest."""
+    def _signal_workers(self, sig: int, timeout_s: float) -> list[WorkerProcess]:
+        """Send `sig` to every live worker, wait up to `timeout_s` for all to exit, kill the rest
+        (returned)."""
         live = [wp for wp in self.workers if wp.proc.poll() is None]
         for wp in live:
             wp.proc.send_signal(sig)
-        deadline = time.monotonic() + timeout_s
+        deadline, killed = time.monotonic() + timeout_s, []
         for wp in live:
             try:
                 wp.proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 wp.proc.kill()
                 wp.proc.wait()
+                killed.append(wp)
+        return killed
 
     # -- progress
     def _watch(self) -> JobProgress:
@@ -176,10 +182,16 @@ class LocalRun:
         click.echo(f"\ninterrupted: handing job {self.manifest.job_id}'s shards in flight back "
                    "(Ctrl-C again to kill the workers)", err=True)
         try:
-            self._signal_workers(signal.SIGINT, HAND_BACK_TIMEOUT_S)
+            killed = self._signal_workers(signal.SIGINT, HAND_BACK_TIMEOUT_S)
         except KeyboardInterrupt:
-            for wp in self.workers:
+            killed = [wp for wp in self.workers if wp.proc.poll() is None]
+            for wp in killed:
                 wp.proc.kill()
+                wp.proc.wait()
+        handed = hand_back_dead_attempts(self.manifest, self.store)
+        if killed:
+            click.echo(f"stopped {len(killed)} worker(s) still inside an engine step after "
+                       f"{HAND_BACK_TIMEOUT_S:.0f} s; handed back their shard(s) {handed} for them", err=True)
         progress = job_progress(self.manifest, self.store)
         if progress.finished:
             return self._finish(elapsed_s)
@@ -196,7 +208,7 @@ class LocalRun:
         from jobs.summary import job_summary
 
         summary = job_summary(self.manifest)
-        click.echo(summary.render(elapsed_s))
+        click.echo(summary.render(elapsed_s, resumed=self.resume))
         compact_job(self.manifest.data_dir, self.manifest.job_id)  # fewer files: fast queries from now on
         write_catalog(self.manifest.data_dir)
         if self.output_path:

@@ -25,16 +25,20 @@ class JobSummary:
     shards_failed: int = 0
     failures: list[str] = field(default_factory=list)  # "shard N: error" of failed shards
 
-    def render(self, elapsed_s: float) -> str:
+    def render(self, elapsed_s: float, resumed: bool = False) -> str:
+        """The summary; a `resumed` job's rates would mix runs (its generation time spans both), so
+        they are left out."""
         gen = self.generation_s or elapsed_s
         rows = self.rows_ok + self.rows_error + self.rows_cancelled
+        rows_rate = "" if resumed else f"; {rows / gen:.2f} rows/s"
+        tok_rate = "" if resumed else f" ({self.output_tokens / gen:.1f} tok/s)"
+        how = ("this run, which resumed the job (no rates: they would span the runs)" if resumed else
+               f"generation {gen:.1f} s, the rest is start-up: model load, worker start")
         lines = [
-            f"job {self.job_id}: {self.status} in {elapsed_s:.1f} s (generation {gen:.1f} s, the rest is "
-            "start-up: model load, worker start)",
+            f"job {self.job_id}: {self.status} in {elapsed_s:.1f} s ({how})",
             f"rows: {self.rows_ok} ok, {self.rows_error} error, {self.rows_cancelled} cancelled, "
-            f"{self.num_requests - rows} without output (of {self.num_requests}); {rows / gen:.2f} rows/s",
-            f"tokens: {self.output_tokens} output ({self.output_tokens / gen:.1f} tok/s), "
-            f"{self.prompt_tokens} prompt",
+            f"{self.num_requests - rows} without output (of {self.num_requests}){rows_rate}",
+            f"tokens: {self.output_tokens} output{tok_rate}, {self.prompt_tokens} prompt",
         ]
         lines += [f"failed {f}" for f in self.failures]
         return "\n".join(lines)

@@ -307,3 +307,26 @@ def test_hand_back_ends_the_attempt_and_queues_the_shard_without_a_retry(data_di
     assert job_progress(m).shards[0].state == "queued"
     assert shards_of(data_dir, m.job_id)[0]["status"] == "queued"
     assert outputs_of(data_dir, m.job_id) == [], "a handed-back attempt's rows never count"
+
+
+def test_attempts_of_a_killed_worker_are_handed_back_for_it(data_dir, tmp_path):
+    """What `batchgen run` does after Ctrl-C for a worker it had to kill inside a long engine step."""
+    import subprocess
+
+    from jobs.store.parts import Store
+    from jobs.supervise import hand_back_dead_attempts, retries_used
+
+    m = _job(data_dir, _parquet(tmp_path, prompt=["a", "b"]), shard_size=1)
+    leases = ShardLeases(JobPaths.of(m.data_dir, m.job_id).leases)
+    lease = leases.try_claim(0, "w-killed")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    lease.state.pid = gone.pid  # its worker process no longer exists
+    lease.write()
+    assert leases.try_claim(1, "w-alive") is not None  # alive: left alone
+    store = Store(m.data_dir)
+    assert hand_back_dead_attempts(m, store) == [0]
+    assert hand_back_dead_attempts(m, store) == [], "once"
+    assert leases.view(0, 1).state.state == "handed_back" and leases.view(1, 1).state.state == "running"
+    assert shards_of(data_dir, m.job_id)[0]["status"] == "queued"
+    assert retries_used(leases, 0, [1]) == 0, "a hand-back uses no retry"
