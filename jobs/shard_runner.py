@@ -30,7 +30,7 @@ from engine.stats import RequestStats
 from jobs.leases import Lease, ShardLeases
 from jobs.manifest import REQUEST_ID_COLUMN, URL_COLUMN, JobManifest, JobPaths, load_manifest, read_shard
 from jobs.openai_batch import COMPLETIONS_URL, LOGPROB_FLOOR
-from jobs.spec import row_request
+from jobs.spec import RowRequest, row_request
 from jobs.store.parts import ShardAttempt, Store
 from jobs.store.schemas import LOGPROBS_TYPE, ShardEvent
 
@@ -158,12 +158,8 @@ def plan_requests(rows: list[dict], manifest: JobManifest, key: str, has_chat_te
     plan = ShardPlan()
     for i, row in enumerate(rows):
         req = row_request(row, manifest.sampling_defaults)
-        prompt, messages = req.prompt, req.messages
-        if req.error is None and prompt is not None and _through_template(row, manifest.apply_chat_template,
-                                                                          has_chat_template):
-            if not has_chat_template:
-                req.error = f"--apply-chat-template always: model {manifest.model!r} has no chat template"
-            prompt, messages = None, [{"role": "user", "content": prompt}]
+        if req.error is None and req.prompt is not None:
+            _as_chat(req, row, manifest, has_chat_template)
         if req.error:
             plan.errors[i] = req.error
             continue
@@ -172,16 +168,22 @@ def plan_requests(rows: list[dict], manifest: JobManifest, key: str, has_chat_te
             plan.logprobs[i] = req.params.logprobs
         for s in range(req.n):
             params = req.params if s == 0 else replace(req.params, seed=sample_seed(req.params.seed, s))
-            plan.requests.append(EngineRequest(f"{key}:{i}:{s}", prompt, messages, params, row=i))
+            plan.requests.append(EngineRequest(f"{key}:{i}:{s}", req.prompt, req.messages, params, row=i))
     return plan
 
 
-def _through_template(row: dict, mode: str, has_chat_template: bool) -> bool:
-    """Whether a text prompt goes through the chat template: `auto` when the model has one, except for
-    OpenAI /v1/completions requests (a raw completion, as that endpoint means); `always`; `never`."""
-    if mode == "auto":
-        return has_chat_template and row.get(URL_COLUMN) != COMPLETIONS_URL
-    return mode == "always"
+def _as_chat(req: RowRequest, row: dict, manifest: JobManifest, has_chat_template: bool) -> None:
+    """A text prompt becomes a user turn where the chat template applies: `auto` when the model has
+    one, except for OpenAI /v1/completions requests (a raw completion, as that endpoint means);
+    `always` (an error where the model has none); `never`."""
+    mode = manifest.apply_chat_template
+    raw_completion = row.get(URL_COLUMN) == COMPLETIONS_URL
+    if mode == "never" or (mode == "auto" and (not has_chat_template or raw_completion)):
+        return
+    if not has_chat_template:
+        req.error = f"--apply-chat-template always: model {manifest.model!r} has no chat template"
+        return
+    req.prompt, req.messages = None, [{"role": "user", "content": req.prompt}]
 
 
 def sample_seed(seed: int | None, sample: int) -> int | None:

@@ -182,15 +182,17 @@ def _take_file(source: _InputFile, read: _Read, writer: ShardWriter, ids: Reques
 
 
 def _job_model(req: JobRequest, read: _Read) -> str:
-    """The model the job runs: --model, or the model an OpenAI file names when --model was not given."""
+    """The model the job runs: --model, or the model an OpenAI file names when --model was not given
+    (checked here: before reading, only a given --model or a Parquet job's was)."""
     asked = req.engine.get("model", "")
-    if read.model is None or read.model == asked:
-        return asked
-    if req.model_given:
+    if read.model is not None and read.model != asked and req.model_given:
         raise InputError(f"{read.model_where}: body.model {read.model!r} differs from --model {asked!r}; "
                          "drop body.model from the file or run it with --model " + read.model)
-    check_model(read.model, local=req.local, what=f"{read.model_where}: body.model")
-    return read.model
+    if req.model_given or read.format == "parquet":
+        return asked
+    model = read.model or asked
+    check_model(model, local=req.local, what=f"{read.model_where}: body.model" if read.model else "--model")
+    return model
 
 
 def _read_file(source: _InputFile, writer: ShardWriter, ids: RequestIds) -> int:

@@ -83,6 +83,9 @@ def test_body_model_sets_the_job_model_unless_model_is_given(tmp_path):
     other = write_jsonl(tmp_path / "o.jsonl", chat("a", model="gpt-4o-mini"))
     with pytest.raises(InputError, match=r"o.jsonl line 1: body.model: unknown model 'gpt-4o-mini'"):
         prepare(tmp_path, other, model_given=False)
+    plain = write_jsonl(tmp_path / "p.jsonl", {"prompt": "a"})  # no body.model: the (default) --model holds
+    with pytest.raises(InputError, match=r"--model: unknown model 'nosuchmodel'"):
+        prepare(tmp_path, plain, model_given=False, model="nosuchmodel")
     assert len(list((tmp_path / "data" / "jobs").glob("job-*"))) == 1, "only the first job was made"
 
 
