@@ -32,7 +32,7 @@ class JobSummary:
         rows = self.rows_ok + self.rows_error + self.rows_cancelled
         rows_rate = "" if resumed else f"; {rows / gen:.2f} rows/s"
         tok_rate = "" if resumed else f" ({self.output_tokens / gen:.1f} tok/s)"
-        how = ("this run, which resumed the job (no rates: they would span the runs)" if resumed else
+        how = ("this run, which resumed the job; no rates: they would span the runs" if resumed else
                f"generation {gen:.1f} s, the rest is start-up: model load, worker start")
         lines = [
             f"job {self.job_id}: {self.status} in {elapsed_s:.1f} s ({how})",
