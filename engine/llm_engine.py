@@ -234,7 +234,7 @@ class LLMEngine:
         """Finish the request whose step fails on its own with finish_reason "error"."""
         for s in piece:
             log.warning("request %s failed in the engine step and is finished with an error: %r",
-                        s.seq.request_id, exc)
+                        s.seq.request_id, exc, exc_info=exc)
             self.scheduler.finish(s.seq, "error", f"engine step failed for this request: {exc!r}")
             self._on_finished(s.seq)
         return len(piece)

@@ -122,15 +122,19 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
         for seq in list(self.running):
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             n = min(seq.num_uncomputed_tokens, budget)
-            if self._make_room(seq, n, out):
+            # the common case (a decode inside its last block) needs no block and no bookkeeping
+            if bm.blocks_needed(seq, n) == 0 or self._make_room(seq, n, out):
                 out.scheduled.append(ScheduledSequence(seq, n, _is_decode(seq, n)))
                 budget -= n
+        if not out.preempted:
+            return budget
         # a victim picked by priority may have been scheduled before it was preempted: undo that
         kept = [s for s in out.scheduled if s.seq.status is SequenceStatus.RUNNING]
         budget += out.num_scheduled_tokens - sum(s.num_new_tokens for s in kept)
@@ -202,11 +206,13 @@ class Scheduler:
     def on_step_done(self, out: SchedulerOutput) -> list[Sequence]:
         """Advance computed counts; return sequences that caught up and so get a sampled token."""
         sampled = []
+        caching = self.block_manager.enable_prefix_caching
         for s in out.scheduled:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
+            if caching:
+                self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens == len(seq.token_ids):
                 sampled.append(seq)
         return sampled
 
