@@ -54,7 +54,7 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_graphs()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(config, self.block_manager)
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         self.iteration = 0
         self._finished: list[RequestOutput] = []  # finished outside a step (bad input, abort)
