@@ -14,13 +14,16 @@ the job finished meanwhile, the summary and `--output` as usual).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,12 +79,15 @@ class LocalRun:
         self.workers: list[WorkerProcess] = []
 
     def run(self) -> int:
-        """Run the job to its end; the exit code: 0 completed, 1 failed or cancelled, 130 interrupted."""
+        """Run the job to its end; the exit code: 0 completed, 1 failed or cancelled, 130 interrupted
+        (Ctrl-C, or SIGTERM / SIGHUP, which would otherwise end this process and leave its workers,
+        in sessions of their own, running)."""
         t0 = time.time()
         try:
-            if self._publish():
-                self.workers = [self._start(i) for i in range(self.num_workers)]
-                self._watch()
+            with _interrupt_on(signal.SIGTERM, signal.SIGHUP):
+                if self._publish():
+                    self.workers = [self._start(i) for i in range(self.num_workers)]
+                    self._watch()
         except KeyboardInterrupt:
             return self._interrupted(time.time() - t0)
         finally:
@@ -225,6 +231,24 @@ class LocalRun:
             sql = f"SELECT * FROM outputs WHERE job_id = '{self.manifest.job_id}'"
             click.echo(f'outputs: batchgen sql "{sql}" --data-dir {self.manifest.data_dir}')
         return 0 if summary.status == "completed" else 1
+
+
+@contextlib.contextmanager
+def _interrupt_on(*signals: int) -> Iterator[None]:
+    """Turn `signals` into KeyboardInterrupt while the block runs (only the main thread can)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    before = {sig: signal.signal(sig, interrupt) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def describe_interrupted(progress: JobProgress) -> str:

@@ -78,6 +78,7 @@ def test_ctrl_c_hands_back_and_the_same_command_resumes(tmp_path):
     leases = ShardLeases(JobPaths.of(m.data_dir, m.job_id).leases)
     ended = [leases.view(s, a[-1]).state.state for s, a in leases.claimed_attempts().items()]
     assert "running" not in ended, ended
+    assert not _alive(_worker_pids(m)), "no worker outlives the run"
     assert re.search(r"\d+/8 rows \(\d+%\), shards \d/4 committed, \d running", stderr), "progress log lines"
     resume = re.search(r"resume with: (.*)", stderr).group(1)
     assert f"--job-id {m.job_id}" in resume
@@ -106,6 +107,42 @@ def test_ctrl_c_hands_back_and_the_same_command_resumes(tmp_path):
                            text=True, env=_env(), timeout=300)
     assert other.returncode == 2, other.stderr
     assert "started with other input files or settings" in other.stderr
+
+
+def _worker_pids(m) -> set[int]:
+    leases = ShardLeases(JobPaths.of(m.data_dir, m.job_id).leases)
+    return {leases.view(s, a[-1]).state.pid for s, a in leases.claimed_attempts().items()}
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.add(pid)
+    return alive
+
+
+def test_sigterm_stops_the_run_and_its_workers_like_ctrl_c(tmp_path):
+    """The workers run in sessions of their own, so a SIGTERM (or a hangup) to `run` must not leave
+    them behind: it is handled as Ctrl-C."""
+    data = tmp_path / "data"
+    args = ["run", _input(tmp_path), "--model", MODEL, "--data-dir", str(data), "--shard-size", "4",
+            "--apply-chat-template", "never", "--max-num-seqs", "2", "--concurrency", "1", "--no-progress"]
+    proc = subprocess.Popen(_cli(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env())
+    try:
+        m = _the_job(data)
+        wait_for(lambda: job_progress(m).count("running") >= 1, 240, "a shard running")
+        pids = wait_for(lambda: _worker_pids(m), 60, "the worker's lease")
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "resume with:" in stderr, stdout + stderr
+    assert not _alive(pids), "no worker outlives the run"
 
 
 README = ROOT / "README.md"
