@@ -28,6 +28,7 @@ from jobs.broker import (
     BrokerSettings,
     resolve_broker,
 )
+from jobs.spec import CHAT_TEMPLATE_MODES
 from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 __all__ = ["ENGINE_FIELDS", "engine_config", "engine_flags", "engine_options"]  # re-exported for jobs.*
@@ -40,11 +41,24 @@ _SAMPLING_OPTIONS = [
     click.option("--temperature", type=float, help="Job default (0 = greedy; default 1.0)."),
     click.option("--top-p", type=float, help="Job default (default 1.0)."),
     click.option("--top-k", type=int, help="Job default (0 = off)."),
+    click.option("--min-p", type=float, help="Job default: drop tokens below min_p x the top token's "
+                 "probability (default 0)."),
+    click.option("--presence-penalty", type=float, help="Job default, OpenAI's [-2, 2] (default 0)."),
+    click.option("--frequency-penalty", type=float, help="Job default, OpenAI's [-2, 2] (default 0)."),
+    click.option("--repetition-penalty", type=float, help="Job default, vLLM's (> 1 discourages repeats; "
+                 "default 1)."),
     click.option("--seed", type=int, help="Job default per-row seed."),
     click.option("--stop", multiple=True, help="Job default stop string (repeatable)."),
     click.option("--ignore-eos", is_flag=True, default=None, help="Job default: generate past EOS."),
+    click.option("--n", "n", type=int, help="Job default: samples per row, one output row each (default 1)."),
+    click.option("--logprobs/--no-logprobs", default=None, help="Job default: a `logprobs` column (the "
+                 "log probability of each output token)."),
+    click.option("--top-logprobs", type=int, help="Job default: alternatives per token in `logprobs` "
+                 "(implies --logprobs)."),
 ]
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "seed", "stop", "ignore_eos", "n", "logprobs",
+                   "top_logprobs")
 
 _JOB_OPTIONS = [
     click.option("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, show_default=True,
@@ -54,6 +68,11 @@ _JOB_OPTIONS = [
     click.option("--retry-backoff", type=float, default=5.0, show_default=True,
                  help="Seconds before the first retry (doubles each retry)."),
     click.option("--job-id", help="Job id (default job-<utc time>-<random>)."),
+    click.option("--apply-chat-template", type=click.Choice(CHAT_TEMPLATE_MODES), default="auto",
+                 show_default=True, help="A text `prompt` through the model's chat template: auto = when "
+                 "the model has one (not for OpenAI /v1/completions requests), always, never."),
+    click.option("--keep-prompt", is_flag=True,
+                 help="Carry the prompt / messages columns through to the outputs."),
 ]
 
 _DATA_DIR_OPTION = click.option(
@@ -83,15 +102,31 @@ def sampling_from(opts: dict) -> dict:
     return given
 
 
-def _job_request(prompts: str, data_dir: str, config, opts: dict, output: str | None):
+def _job_request(prompts: str, data_dir: str, config, opts: dict, output: str | None, *, local: bool = False):
     from dataclasses import asdict
+
+    from click.core import ParameterSource
 
     from jobs.submit import JobRequest
 
+    model_given = click.get_current_context().get_parameter_source("model") != ParameterSource.DEFAULT
     return JobRequest(source=prompts, data_dir=data_dir, engine=asdict(config), sampling=sampling_from(opts),
                       shard_size=opts["shard_size"], max_retries=opts["max_retries"],
                       retry_backoff_s=opts["retry_backoff"], job_id=opts.get("job_id"),
-                      output_path=str(Path(output).expanduser().resolve()) if output else "")
+                      output_path=str(output or ""), apply_chat_template=opts["apply_chat_template"],
+                      keep_prompt=opts["keep_prompt"], model_given=model_given, local=local)
+
+
+def _output_path(ctx, param, value: str | None) -> Path | None:
+    """--output: a .parquet or .jsonl file, checked before any work."""
+    if value is None:
+        return None
+    from jobs.export import ExportError, check_output_path
+
+    try:
+        return check_output_path(value)
+    except ExportError as exc:
+        raise click.BadParameter(str(exc).removeprefix(f"--output {value}: "), ctx, param) from None
 
 
 def _prepare(request, broker: BrokerSettings):
@@ -158,7 +193,7 @@ def broker_for_job(manifest, data_dir: str) -> BrokerSettings:
 @_BROKER_OPTION
 @click.option("--queue", envvar=QUEUE_ENV, default=DEFAULT_QUEUE, show_default=True, help="Queue to use.")
 def submit(prompts: str, data_dir: str, broker_url: str | None, queue: str, **opts) -> None:
-    """Validate PROMPTS (a Parquet file, directory or glob), shard it and queue it for workers."""
+    """Validate PROMPTS (a Parquet or JSONL file, directory or glob), shard it and queue it for workers."""
     from jobs.submit import publish_job
 
     config = engine_config(opts)
@@ -208,33 +243,58 @@ def worker(data_dir: str, broker_url: str | None, queue: str, concurrency: int, 
 @sampling_options
 @job_options
 @_DATA_DIR_OPTION
-@click.option("--output", type=click.Path(dir_okay=False), help="Write the job's output Parquet here.")
+@click.option("--output", type=click.Path(dir_okay=False), callback=_output_path,
+              help="Write the job's output here: .parquet, or .jsonl (for OpenAI Batch input: the OpenAI "
+                   "batch output, failed requests in <name>.errors.jsonl).")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Worker processes (each loads the model).")
 @click.option("--concurrency", type=click.IntRange(1, 64),
               help="Shards held in each engine at once (default: enough to fill --max-num-seqs, >= 2).")
-@click.option("--progress/--no-progress", default=True, show_default=True)
-def run(prompts: str, data_dir: str, output: str | None, workers: int, concurrency: int | None,
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="A progress bar on a terminal, else a progress line every few seconds.")
+def run(prompts: str, data_dir: str, output: Path | None, workers: int, concurrency: int | None,
         progress: bool, **opts) -> None:
-    """Run the whole job on this machine: embedded broker, local workers, progress bar, summary."""
-    from jobs.local_run import LocalRun, RunError
-    from jobs.manifest import new_job_id
+    """Run the whole job on this machine: embedded broker, local workers, progress, summary.
+
+    The same command again resumes the job: committed shards are kept, the rest run, --output is
+    written at the end. Ctrl-C hands the shards in flight back and prints the command that resumes."""
+    from dataclasses import replace
+
+    from jobs.local_run import LocalRun, RunError, resume_command
 
     config = engine_config(opts)
     data_dir = str(Path(data_dir).expanduser().resolve())
-    opts["job_id"] = opts.get("job_id") or new_job_id(time.time())
-    request = _job_request(prompts, data_dir, config, opts, output)
-    # a queue of its own: no other worker on the embedded broker takes this job's shards
-    broker = _broker(data_dir, f"run.{opts['job_id']}", embedded=True)
-    manifest = _prepare(request, broker)
+    request = _job_request(prompts, data_dir, config, opts, output, local=True)
+    manifest, resumed = _run_job(request)
+    broker = _broker(data_dir, manifest.queue, embedded=True)
+    config = replace(config, model=manifest.model)  # an OpenAI file's body.model, when --model was not given
     concurrency = concurrency or max(2, math.ceil(config.max_num_seqs / manifest.shard_size) + 1)
     local = LocalRun(manifest, broker, config, workers=workers, concurrency=concurrency,
-                     show_progress=progress)
+                     show_progress=progress, resume=resumed, output_path=str(output or ""),
+                     resume_command=resume_command(sys.argv[1:], manifest.job_id, data_dir))
     try:
         code = local.run()
     except RunError as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(code)
+
+
+def _run_job(request):
+    """(the job, resumed?): the job this command started before, else a new one on a queue of its own."""
+    from jobs.manifest import new_job_id
+    from jobs.resume import find_run_job, run_fingerprint
+    from jobs.spec import InputError
+
+    try:
+        request.fingerprint = run_fingerprint(request)
+        found = find_run_job(request.data_dir, request.fingerprint, request.job_id)
+    except InputError as exc:
+        raise click.UsageError(str(exc)) from None
+    if found is not None:
+        return found, True
+    request.job_id = request.job_id or new_job_id(time.time())
+    # a queue of its own: no other worker on the embedded broker takes this job's shards
+    return _prepare(request, _broker(request.data_dir, f"run.{request.job_id}", embedded=True)), False
 
 
 # ---------------------------------------------------------------- status / cancel / retry
@@ -246,10 +306,13 @@ def run(prompts: str, data_dir: str, output: str | None, workers: int, concurren
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("--requeue/--no-requeue", default=True, show_default=True,
               help="Re-queue shards whose worker died (jobs on the broker in force).")
-@click.option("--output", type=click.Path(dir_okay=False),
-              help="With JOB: write its output Parquet (every input row once, input order); the job must be "
-                   "finished.")
-def status(job_id: str | None, data_dir: str, fmt: str, requeue: bool, output: str | None) -> None:
+@click.option("--output", type=click.Path(dir_okay=False), callback=_output_path,
+              help="With JOB: write its output (every input row once, input order) as .parquet or .jsonl "
+                   "(OpenAI Batch input: the OpenAI batch output); the job must be finished.")
+@click.option("--shards", "all_shards", is_flag=True,
+              help="With JOB: list every shard (default: counts by state, then the failed and running ones).")
+def status(job_id: str | None, data_dir: str, fmt: str, requeue: bool, output: Path | None,
+           all_shards: bool) -> None:
     """Progress of every job, or of one job and its shards (like OpenAI Batch's request_counts)."""
     from jobs.status import job_status, jobs_status, render_job, render_jobs
 
@@ -265,20 +328,20 @@ def status(job_id: str | None, data_dir: str, fmt: str, requeue: bool, output: s
         click.echo(json.dumps(rows, indent=1, default=str) if fmt == "json" else render_jobs(rows))
         return
     manifest = _manifest(data_dir, job_id)
-    info = job_status(manifest)
+    info = job_status(manifest, all_shards=all_shards)
     click.echo(json.dumps(info, indent=1, default=str) if fmt == "json" else render_job(info))
     if output:
         _export(manifest, output)
 
 
-def _export(manifest, output: str) -> None:
+def _export(manifest, output: Path) -> None:
     from jobs.export import ExportError, export_job
 
     try:
-        table = export_job(manifest, output)
+        written = export_job(manifest, output)
     except ExportError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"wrote {table.num_rows} rows to {Path(output).expanduser().resolve()}", err=True)
+    click.echo(written.describe(), err=True)
 
 
 def _requeue(data_dir: str, job_id: str | None) -> None:

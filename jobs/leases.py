@@ -34,7 +34,8 @@ from jobs.store.layout import new_uid
 LEASE_TTL_ENV = "BATCHGEN_LEASE_TTL_S"
 DEFAULT_LEASE_TTL_S = 30.0  # a heartbeat older than this means the attempt's worker is gone
 HEARTBEAT_FRACTION = 0.2  # heartbeats are written every ttl * this
-ENDED = ("committed", "failed", "retrying", "cancelled", "superseded", "skipped")
+# handed_back: the worker was interrupted and gave the shard back (not a failure; no retry used)
+ENDED = ("committed", "failed", "retrying", "cancelled", "superseded", "skipped", "handed_back")
 
 _CLAIM_RE = re.compile(r"^shard-(\d{6})\.a(\d{3,})\.claim$")
 

@@ -6,7 +6,8 @@
     DATA_DIR/jobs/<job_id>/cancel_requested     present once `batchgen cancel` ran (workers stat it)
 
 A shard file holds its input rows unchanged (every column, so extra columns keep their types) plus
-`_bg_row` (the row's position in the job's input) and `_bg_request_id`. Task messages carry only the
+`_bg_row` (the row's position in the job's input) and `_bg_request_id` (and, for OpenAI Batch input,
+`_bg_url`: the endpoint each request line named). Task messages carry only the
 job id, the shard id and absolute paths; every path in the manifest is absolute so any cwd works.
 """
 
@@ -26,6 +27,7 @@ from jobs.store.layout import check_id, new_uid, write_atomic
 JOBS_DIR = "jobs"
 ROW_COLUMN = "_bg_row"  # 0-based position of the row in the job's input (input order)
 REQUEST_ID_COLUMN = "_bg_request_id"  # the row's id (the `id` column as text, else the row number)
+URL_COLUMN = "_bg_url"  # OpenAI Batch input only: the request line's url (which endpoint answers it)
 MANIFEST_VERSION = 1
 
 
@@ -45,22 +47,25 @@ class JobManifest:
 
     job_id: str
     data_dir: str  # absolute DATA_DIR
-    inputs: list[str]  # absolute paths of the input Parquet files, in order
+    inputs: list[str]  # absolute paths of the input files (Parquet or JSONL), in order
     num_requests: int  # input rows
     shard_size: int  # rows per shard (the last may be shorter)
     shards: list[ShardInfo]
     engine: dict  # EngineConfig fields the job asked for (workers must serve `engine["model"]`)
-    sampling_defaults: dict  # job-level SamplingParams fields; rows override them
+    sampling_defaults: dict  # job-level sampling values named as the input columns; rows override them
     queue: str  # broker queue the shard tasks go to
     broker: str  # broker URL without password, or "embedded"
     max_retries: int  # retries of a failing shard before it is marked failed
     retry_backoff_s: float  # first retry delay; doubles each retry
     extra_columns: list[str]  # input columns passed through to outputs
     submitted_ts: float  # epoch seconds
-    output_path: str = ""  # the job's own output Parquet, when asked for at submission
+    output_path: str = ""  # the job's own output file, when asked for at submission
     version: int = MANIFEST_VERSION
     shard_timeout_s: float = 0.0  # expected worst-case time of one shard (broker timeouts)
     extra: dict = field(default_factory=dict)  # free-form (e.g. who submitted)
+    input_format: str = "parquet"  # parquet | jsonl (plain rows) | openai (OpenAI Batch request lines)
+    apply_chat_template: str = "auto"  # auto | always | never: a text `prompt` through the chat template
+    fingerprint: str = ""  # set by `batchgen run`: the same command again resumes this job (jobs.resume)
 
     @property
     def model(self) -> str:

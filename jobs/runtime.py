@@ -37,12 +37,13 @@ IDLE_WAKE_S = 0.5  # an idle engine loop wakes this often (telemetry flush, stop
 
 @dataclass
 class EngineRequest:
-    """One row of a shard as the engine sees it."""
+    """One sample of one row of a shard as the engine sees it."""
 
-    request_id: str  # unique in the engine: "<job>:<shard>:<attempt>:<row in shard>"
+    request_id: str  # unique in the engine: "<job>:<shard>:<attempt>:<row in shard>:<sample>"
     prompt: str | None  # text prompt, or None when messages are given
     messages: list[dict] | None  # chat messages (the model's chat template applies)
     params: SamplingParams
+    row: int | None = None  # the row in the shard (a row with n samples has n requests); None = its own
 
 
 @dataclass
@@ -54,17 +55,25 @@ class ShardRun:
     requests: list[EngineRequest]
     outputs: dict[str, RequestOutput] = field(default_factory=dict)  # request id -> finished output
     output_tokens: int = 0  # tokens of the finished outputs
+    rows_done: int = 0  # rows whose every sample finished
     cancelled: bool = False  # its job was cancelled; unfinished rows came back "cancelled"
+    handed_back: bool = False  # the worker was interrupted: unfinished rows stopped, the shard goes back
     error: str | None = None  # set when the engine failed under it (the attempt is retried)
     done: threading.Event = field(default_factory=threading.Event)
 
-    @property
-    def rows_done(self) -> int:
-        return len(self.outputs)
+    def __post_init__(self) -> None:
+        self._row_of = {r.request_id: r.request_id if r.row is None else r.row for r in self.requests}
+        self._left: dict = {}  # row -> samples not finished yet
+        for row in self._row_of.values():
+            self._left[row] = self._left.get(row, 0) + 1
 
     def finish(self, out: RequestOutput) -> None:
         self.outputs[out.request_id] = out
         self.output_tokens += len(out.token_ids)
+        row = self._row_of.get(out.request_id)
+        self._left[row] = self._left.get(row, 1) - 1
+        if self._left[row] == 0:
+            self.rows_done += 1
         if len(self.outputs) == len(self.requests):
             self.done.set()
 
@@ -84,6 +93,7 @@ class EngineLoop:
         self._owner: dict[str, ShardRun] = {}  # engine request id -> its shard run
         self._runs: dict[str, ShardRun] = {}  # key -> shard runs in the engine
         self._stopping = False
+        self._handing_back = False  # set by hand_back(): no shard runs to its end any more
         self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -100,6 +110,11 @@ class EngineLoop:
     def abort_job(self, job_id: str) -> None:
         """Cancel the job's requests in the engine (thread-safe); they finish as "cancelled"."""
         self._inbox.put(("abort", job_id))
+
+    def hand_back(self) -> None:
+        """Stop every shard in the engine, and every one submitted from now on, as handed back
+        (thread-safe): their unfinished requests are aborted and each run is done soon after."""
+        self._inbox.put(("hand_back", None))
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop after failing whatever is still in the engine (warm shutdown has drained it first)."""
@@ -140,10 +155,16 @@ class EngineLoop:
             self._admit(arg)
         elif what == "abort":
             self._abort(arg)
+        elif what == "hand_back":
+            self._hand_back_all()
         elif what == "stop":
             self._stopping = True
 
     def _admit(self, run: ShardRun) -> None:
+        if self._handing_back:
+            run.handed_back = True
+            run.done.set()
+            return
         self._runs[run.key] = run
         try:
             for req in run.requests:
@@ -159,6 +180,12 @@ class EngineLoop:
             if run.job_id == job_id:
                 run.cancelled = True
         self.engine.abort_request(ids)
+
+    def _hand_back_all(self) -> None:
+        self._handing_back = True
+        for run in self._runs.values():
+            run.handed_back = True
+        self.engine.abort_request(list(self._owner))
 
     def _step(self) -> None:
         try:
@@ -250,6 +277,22 @@ class WorkerRuntime:
     def drain(self) -> None:
         """Stop taking shards (warm shutdown): new deliveries are handed back to the broker."""
         self._draining.set()
+
+    def hand_back(self) -> None:
+        """Stop taking shards and stop the shards held now (an interrupt): their unfinished rows are
+        aborted, their attempts end "handed back" and their messages go back to the broker."""
+        self._draining.set()
+        self.loop.hand_back()
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer (None for a model without one)."""
+        return self.loop.engine.tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        tokenizer = self.tokenizer
+        return tokenizer is not None and bool(tokenizer.chat_template)
 
     # -- shards
     def check_model(self, manifest: JobManifest) -> None:

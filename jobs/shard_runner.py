@@ -6,10 +6,14 @@
 1. skip when the shard is committed (tasks are idempotent), its job was cancelled, or a live attempt
    of it runs elsewhere (a duplicate delivery);
 2. claim the next attempt (jobs.leases) and open it in the store (`running` event);
-3. read the shard file, turn rows into engine requests (bad rows become error rows at once), hand
+3. read the shard file, turn rows into engine requests (bad rows become error rows at once; a text
+   prompt goes through the model's chat template as `--apply-chat-template` says; a row with `n`
+   samples becomes n requests, seeds derived so a seeded row gives the same samples again), hand
    them to the worker's engine and wait for every row;
-4. write output and request rows, commit; or, on an error, fail the attempt and ask for a retry
-   (exponential backoff) until the job's `max_retries` are used, then fail the shard for good.
+4. write output rows (one per sample, with `sample_index`, the `model` and, when asked, `logprobs`)
+   and request rows, commit; or, on an error, fail the attempt and ask for a retry (exponential
+   backoff) until the job's `max_retries` are used, then fail the shard for good; or, when the
+   worker was interrupted, end the attempt "handed back" and give the message back.
 """
 
 from __future__ import annotations
@@ -17,17 +21,18 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from engine.stats import RequestStats
 from jobs.leases import Lease, ShardLeases
-from jobs.manifest import REQUEST_ID_COLUMN, JobManifest, JobPaths, load_manifest, read_shard
-from jobs.spec import row_request
+from jobs.manifest import REQUEST_ID_COLUMN, URL_COLUMN, JobManifest, JobPaths, load_manifest, read_shard
+from jobs.openai_batch import COMPLETIONS_URL, LOGPROB_FLOOR
+from jobs.spec import RowRequest, row_request
 from jobs.store.parts import ShardAttempt, Store
-from jobs.store.schemas import ShardEvent
+from jobs.store.schemas import LOGPROBS_TYPE, ShardEvent
 
 if TYPE_CHECKING:
     from jobs.runtime import EngineRequest, ShardRun, WorkerRuntime
@@ -35,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 600.0
+SEED_MIN, SEED_SPAN = -(1 << 63), 3 << 63  # SamplingParams' seed range: [-2**63, 2**64)
 
 
 @dataclass
@@ -118,62 +124,156 @@ def _run_attempt(task: ShardTask, manifest: JobManifest, runtime: WorkerRuntime,
     table = read_shard(task.shard_path or info.path, info.num_requests)
     rows = table.to_pylist()
     key = f"{task.job_id}:{task.shard_id}:{lease.attempt}"
-    requests, errors = _requests(rows, manifest.sampling_defaults, key)
-    run = runtime.run_shard(task.job_id, key, requests)
+    plan = plan_requests(rows, manifest, key, runtime.has_chat_template)
+    run = runtime.run_shard(task.job_id, key, plan.requests)
     if lease.superseded():
         attempt.fail("superseded: a newer attempt was started while this one was presumed dead")
         lease.end("superseded")
         return ShardOutcome("skipped", lease.attempt, reason="superseded by a newer attempt")
+    if run.handed_back:
+        return _hand_back(task, Store(task.data_dir), lease, attempt)
     if run.error:
         raise RuntimeError(run.error)
-    _write_rows(attempt, rows, run, errors, manifest.extra_columns, table.schema, key)
+    _write_rows(attempt, rows, run, plan, manifest.extra_columns, table.schema, runtime)
     record = attempt.commit()
     lease.end("committed", rows_done=record.num_outputs, output_tokens=record.output_tokens)
     result = "cancelled" if run.cancelled else "committed"
     return ShardOutcome(result, lease.attempt, record.num_outputs, record.output_tokens)
 
 
-def _requests(rows: list[dict], defaults: dict, key: str) -> tuple[list[EngineRequest], dict[int, str]]:
-    """Engine requests for the rows that can run; row index -> error for those that cannot."""
+@dataclass
+class ShardPlan:
+    """What the engine is asked for a shard's rows."""
+
+    requests: list[EngineRequest] = field(default_factory=list)  # one per sample of each row that runs
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why it cannot run
+    samples: dict[int, int] = field(default_factory=dict)  # row -> n, for the rows that run
+    logprobs: dict[int, int] = field(default_factory=dict)  # row -> alternatives per token, where asked
+
+
+def plan_requests(rows: list[dict], manifest: JobManifest, key: str, has_chat_template: bool) -> ShardPlan:
+    """Engine requests for the rows that can run (n each); row index -> error for those that cannot."""
     from jobs.runtime import EngineRequest
 
-    requests, errors = [], {}
+    plan = ShardPlan()
     for i, row in enumerate(rows):
-        req = row_request(row, defaults)
+        req = row_request(row, manifest.sampling_defaults)
+        if req.error is None and req.prompt is not None:
+            _as_chat(req, row, manifest, has_chat_template)
         if req.error:
-            errors[i] = req.error
-        else:
-            requests.append(EngineRequest(f"{key}:{i}", req.prompt, req.messages, req.params))
-    return requests, errors
+            plan.errors[i] = req.error
+            continue
+        plan.samples[i] = req.n
+        if req.params.logprobs is not None:
+            plan.logprobs[i] = req.params.logprobs
+        for s in range(req.n):
+            params = req.params if s == 0 else replace(req.params, seed=sample_seed(req.params.seed, s))
+            plan.requests.append(EngineRequest(f"{key}:{i}:{s}", req.prompt, req.messages, params, row=i))
+    return plan
 
 
-def _write_rows(attempt: ShardAttempt, rows: list[dict], run: ShardRun, errors: dict[int, str],
-                extra_columns: list[str], schema: pa.Schema, key: str) -> None:
-    """Output and request rows in shard order, which is input order."""
-    attempt.extra_schema = pa.schema([schema.field(c) for c in extra_columns])
+def _as_chat(req: RowRequest, row: dict, manifest: JobManifest, has_chat_template: bool) -> None:
+    """A text prompt becomes a user turn where the chat template applies: `auto` when the model has
+    one, except for OpenAI /v1/completions requests (a raw completion, as that endpoint means);
+    `always` (an error where the model has none); `never`."""
+    mode = manifest.apply_chat_template
+    raw_completion = row.get(URL_COLUMN) == COMPLETIONS_URL
+    if mode == "never" or (mode == "auto" and (not has_chat_template or raw_completion)):
+        return
+    if not has_chat_template:
+        req.error = f"--apply-chat-template always: model {manifest.model!r} has no chat template"
+        return
+    req.prompt, req.messages = None, [{"role": "user", "content": req.prompt}]
+
+
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of sample `sample` of a row seeded `seed` (vLLM's rule: seed + index, kept in range)."""
+    if seed is None:
+        return None
+    return (seed + sample - SEED_MIN) % SEED_SPAN + SEED_MIN
+
+
+def _write_rows(attempt: ShardAttempt, rows: list[dict], run: ShardRun, plan: ShardPlan,
+                extra_columns: list[str], schema: pa.Schema, runtime: WorkerRuntime) -> None:
+    """Output and request rows in shard order (input order; a row's samples in sample order)."""
+    fields = [schema.field(c) for c in extra_columns]
+    if plan.logprobs:
+        fields.append(pa.field("logprobs", LOGPROBS_TYPE))
+    attempt.extra_schema = pa.schema(fields)
+    model, tokens = runtime.config.model, TokenTexts(runtime.tokenizer)
     now = time.time()
     outputs, timings = [], []
     for i, row in enumerate(rows):
         rid = row[REQUEST_ID_COLUMN]
         extras = {c: row[c] for c in extra_columns}
-        if i in errors:
+        if i in plan.errors:
             stats = RequestStats(arrival_ts=now, finished_ts=now)
-            outputs.append(_output_row(rid, "", "error", 0, 0, errors[i], extras))
-            timings.append({"request_id": rid, "finish_reason": "error", **stats.as_row()})
+            outputs.append(_output_row(rid, 0, "", "error", 0, 0, plan.errors[i], model, extras))
+            timings.append({"request_id": rid, "sample_index": 0, "finish_reason": "error", **stats.as_row()})
             continue
-        out = run.outputs[f"{key}:{i}"]
-        out.metrics.prompt_tokens = len(out.prompt_token_ids)
-        outputs.append(_output_row(rid, out.text, out.finish_reason, len(out.prompt_token_ids),
-                                   len(out.token_ids), out.error, extras))
-        timings.append({"request_id": rid, "finish_reason": out.finish_reason, **out.metrics.as_row()})
+        for s in range(plan.samples[i]):
+            out = run.outputs[f"{run.key}:{i}:{s}"]
+            out.metrics.prompt_tokens = len(out.prompt_token_ids)
+            row_out = _output_row(rid, s, out.text, out.finish_reason, len(out.prompt_token_ids),
+                                  len(out.token_ids), out.error, model, extras)
+            if i in plan.logprobs:
+                row_out["logprobs"] = tokens.logprobs(out.token_ids, out.logprobs, plan.logprobs[i])
+            outputs.append(row_out)
+            timings.append({"request_id": rid, "sample_index": s, "finish_reason": out.finish_reason,
+                            **out.metrics.as_row()})
     attempt.add_outputs(outputs)
     attempt.add_requests(timings)
 
 
-def _output_row(rid: str, text: str, reason: str, prompt_tokens: int, output_tokens: int,
-                error: str | None, extras: dict) -> dict:
-    return {"request_id": rid, "output_text": text, "finish_reason": reason, "prompt_tokens": prompt_tokens,
-            "output_tokens": output_tokens, "error": error, **extras}
+def _output_row(rid: str, sample: int, text: str, reason: str, prompt_tokens: int, output_tokens: int,
+                error: str | None, model: str, extras: dict) -> dict:
+    return {"request_id": rid, "sample_index": sample, "output_text": text, "finish_reason": reason,
+            "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "error": error, "model": model,
+            **extras}
+
+
+class TokenTexts:
+    """Token ids -> the `logprobs` column's entries, each token's text decoded once per shard."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int] | None]] = {}
+
+    def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, top_n: int
+                 ) -> list[dict] | None:
+        """Per output token: its text, id, logprob, bytes and the `top_n` best alternatives."""
+        if logprobs is None:
+            return None
+        entries = []
+        for token, per_token in zip(token_ids, logprobs, strict=True):
+            best = sorted(per_token.items(), key=lambda kv: -kv[1])[:top_n]
+            entries.append({**self._entry(token, per_token[token]),
+                            "top_logprobs": [self._entry(t, lp) for t, lp in best]})
+        return entries
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text, raw = self._text(token)
+        return {"token": text, "token_id": token, "logprob": max(logprob, LOGPROB_FLOOR), "bytes": raw}
+
+    def _text(self, token: int) -> tuple[str, list[int] | None]:
+        found = self._cache.get(token)
+        if found is None:
+            text = self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else str(token)
+            # a token that is part of a multi-byte character decodes to U+FFFD: no bytes of its own
+            found = (text, None if "\ufffd" in text else list(text.encode("utf-8")))
+            self._cache[token] = found
+        return found
+
+
+def _hand_back(task: ShardTask, store: Store, lease: Lease, attempt: ShardAttempt) -> ShardOutcome:
+    """The worker was interrupted: the attempt ends without its rows, the shard is queued again (no
+    retry used) and the message goes back to the broker."""
+    reason = "handed back: the worker was interrupted"
+    _close(attempt, reason, cancel=True)
+    lease.end("handed_back", reason)
+    store.record_shard_events([ShardEvent(task.job_id, task.shard_id, "queued", time.time(),
+                                          attempt=lease.attempt + 1, error=reason)])
+    return ShardOutcome("handed_back", lease.attempt, reason=reason)
 
 
 def _failed(task: ShardTask, manifest: JobManifest, store: Store, lease: Lease, attempt: ShardAttempt,
@@ -191,8 +291,12 @@ def _failed(task: ShardTask, manifest: JobManifest, store: Store, lease: Lease, 
     return ShardOutcome("failed", lease.attempt, reason=final)
 
 
-def _close(attempt: ShardAttempt, reason: str) -> None:
-    if not attempt.closed:
+def _close(attempt: ShardAttempt, reason: str, cancel: bool = False) -> None:
+    if attempt.closed:
+        return
+    if cancel:
+        attempt.cancel(reason)
+    else:
         attempt.fail(reason)
 
 

@@ -10,7 +10,10 @@ Two kinds of bad input, handled differently:
   engine itself reports the rows it alone can judge (a prompt longer than the model's context).
 
 Sampling values come from the job's defaults (CLI flags) overridden per row by the optional
-columns; a null cell means "use the default".
+columns; a null cell means "use the default". Column names follow OpenAI/vLLM: `n` (samples per
+row, each an output row of its own), `logprobs` (true, or vLLM's count of alternatives) and
+`top_logprobs`, `min_p` and the presence/frequency/repetition penalties. `n` shapes the output,
+so an `n` outside [1, MAX_N] is an input error, not an error row.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import glob
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +32,21 @@ from engine.sampling_params import SamplingParams
 
 # optional per-row sampling columns -> the kind of Arrow type they must have
 SAMPLING_COLUMNS: dict[str, str] = {
-    "max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int", "seed": "int",
-    "stop": "stop", "ignore_eos": "bool", "priority": "int",
+    "max_tokens": "int", "temperature": "float", "top_p": "float", "top_k": "int", "min_p": "float",
+    "presence_penalty": "float", "frequency_penalty": "float", "repetition_penalty": "float",
+    "seed": "int", "stop": "stop", "ignore_eos": "bool", "priority": "int", "n": "int",
+    "logprobs": "logprobs", "top_logprobs": "int",
 }
 # output columns an input column may not shadow (it would be ambiguous in `outputs`)
-OUTPUT_COLUMNS = ("job_id", "request_id", "output_text", "finish_reason", "prompt_tokens", "output_tokens",
-                  "error")
+OUTPUT_COLUMNS = ("job_id", "request_id", "sample_index", "output_text", "finish_reason", "prompt_tokens",
+                  "output_tokens", "error", "model")
+PROMPT_COLUMNS = ("prompt", "messages")  # carried through to `outputs` with --keep-prompt
 RESERVED_PREFIX = "_bg_"  # internal columns of shards and of the store
-KNOWN_COLUMNS = ("id", "prompt", "messages", *SAMPLING_COLUMNS)
+KNOWN_COLUMNS = ("id", *PROMPT_COLUMNS, *SAMPLING_COLUMNS)
 GLOB_CHARS = "*?["
+INPUT_SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl"}  # file suffix -> input kind
+MAX_N = 128  # samples per row at most (OpenAI's limit for `n`)
+CHAT_TEMPLATE_MODES = ("auto", "always", "never")  # --apply-chat-template
 
 
 class InputError(ValueError):
@@ -48,23 +57,36 @@ class InputError(ValueError):
 
 
 def resolve_input_files(source: str | os.PathLike) -> list[Path]:
-    """A Parquet file, a directory of them (`*.parquet`, sorted) or a glob -> absolute paths."""
+    """A Parquet or JSONL file, a directory of them (`*.parquet` or `*.jsonl`, sorted) or a glob ->
+    absolute paths, all of one kind (see `input_kind`)."""
     text = str(source)
     path = Path(text).expanduser()
     if path.is_file():
         return [path.resolve()]
     if path.is_dir():
-        found = sorted(p for p in path.glob("*.parquet") if p.is_file())
+        found = sorted(p for suffix in INPUT_SUFFIXES for p in path.glob(f"*{suffix}") if p.is_file())
         if not found:
-            raise InputError(f"directory {path} holds no *.parquet files")
-        return [p.resolve() for p in found]
+            raise InputError(f"directory {path} holds no *.parquet or *.jsonl files")
+        return _one_kind([p.resolve() for p in found], str(path))
     if any(ch in text for ch in GLOB_CHARS):
         found = sorted(Path(p) for p in glob.glob(os.path.expanduser(text), recursive=True))
         found = [p for p in found if p.is_file()]
         if not found:
             raise InputError(f"no file matches {text!r}")
-        return [p.resolve() for p in found]
-    raise InputError(f"input {text!r} does not exist (give a Parquet file, a directory or a glob)")
+        return _one_kind([p.resolve() for p in found], text)
+    raise InputError(f"input {text!r} does not exist (give a Parquet or JSONL file, a directory or a glob)")
+
+
+def input_kind(path: Path) -> str:
+    """"jsonl" for a `.jsonl` file, else "parquet" (whatever its name, a Parquet reader judges it)."""
+    return INPUT_SUFFIXES.get(path.suffix.lower(), "parquet")
+
+
+def _one_kind(paths: list[Path], source: str) -> list[Path]:
+    kinds = {input_kind(p) for p in paths}
+    if len(kinds) > 1:
+        raise InputError(f"{source} mixes Parquet and JSONL files; one job reads one kind")
+    return paths
 
 
 def open_parquet(path: Path) -> pq.ParquetFile:
@@ -159,11 +181,12 @@ _TYPE_OK = {
     "float": lambda t: pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_null(t),
     "bool": lambda t: pa.types.is_boolean(t) or pa.types.is_null(t),
     "stop": lambda t: _is_str(t) or (_is_list(t) and _is_str(t.value_type)) or pa.types.is_null(t),
+    "logprobs": lambda t: pa.types.is_boolean(t) or _is_int_like(t),
 }
 _TYPE_NAMES = {
     "str": "a string", "messages": "a list of struct<role: string, content: string>",
     "id": "an integer or a string", "int": "an integer", "float": "a number", "bool": "a boolean",
-    "stop": "a string or a list of strings",
+    "stop": "a string or a list of strings", "logprobs": "a boolean or an integer",
 }
 _COLUMN_KINDS = {"prompt": "str", "messages": "messages", "id": "id", **SAMPLING_COLUMNS}
 
@@ -178,15 +201,17 @@ class RequestIds:
         self._seen: dict[str, int] = {}  # request id -> input row
         self.num_rows = 0  # rows seen so far (the next row's number)
 
-    def take(self, batch: pa.RecordBatch, path: Path, file_row0: int) -> list[str]:
-        """Ids of `batch` (rows file_row0.. of `path`); raise InputError on a null or duplicate id."""
+    def take(self, batch: pa.RecordBatch, path: Path, file_row0: int, lines: list[int] | None = None
+             ) -> list[str]:
+        """Ids of `batch` (rows file_row0.. of `path`, or its `lines` of a JSONL file); raise
+        InputError on a null or duplicate id."""
         if "id" in batch.schema.names:
             values = batch.column("id").to_pylist()
         else:
             values = list(range(self.num_rows, self.num_rows + batch.num_rows))
         ids = []
         for i, value in enumerate(values):
-            where = f"{path} row {file_row0 + i}"
+            where = f"{path} line {lines[i]}" if lines else f"{path} row {file_row0 + i}"
             if value is None:
                 raise InputError(f"{where}: column 'id' is null; every row needs an id (or drop the column)")
             rid = str(value)
@@ -198,10 +223,12 @@ class RequestIds:
         return ids
 
 
-def check_sampling_values(batch: pa.RecordBatch, path: Path, file_row0: int) -> None:
-    """Integer columns stored as floats must hold whole numbers (else it is a wrong type)."""
+def check_sampling_values(batch: pa.RecordBatch, path: Path, file_row0: int) -> int:
+    """Integer columns stored as floats must hold whole numbers (else it is a wrong type), and `n`
+    must be in [1, MAX_N]. Returns the largest `n` of the batch (1 without an `n` column)."""
+    names = batch.schema.names
     for name, kind in SAMPLING_COLUMNS.items():
-        if kind != "int" or name not in batch.schema.names:
+        if kind not in ("int", "logprobs") or name not in names:
             continue
         if not pa.types.is_floating(batch.schema.field(name).type):
             continue
@@ -209,6 +236,14 @@ def check_sampling_values(batch: pa.RecordBatch, path: Path, file_row0: int) -> 
             if value is not None and not (math.isfinite(value) and float(value).is_integer()):
                 raise InputError(f"{path} row {file_row0 + i}: column {name!r} must be an integer, "
                                  f"got {value!r}")
+    if "n" not in names:
+        return 1
+    values = batch.column("n").to_pylist()
+    for i, value in enumerate(values):
+        if value is not None and not 1 <= value <= MAX_N:
+            raise InputError(f"{path} row {file_row0 + i}: column 'n' must be an integer in [1, {MAX_N}], "
+                             f"got {value!r}")
+    return int(max((v for v in values if v is not None), default=1))
 
 
 @dataclass
@@ -219,20 +254,48 @@ class RowRequest:
     messages: list[dict] | None  # chat messages, the model's chat template applies
     params: SamplingParams | None  # the row's sampling parameters (None when the row is bad)
     error: str | None  # why the row cannot run; it becomes an output row with finish_reason "error"
+    n: int = 1  # samples of this row: one engine request and one output row each
 
 
 def sampling_defaults(**given: Any) -> dict:
-    """Job-level sampling defaults (CLI flags; None = SamplingParams' default), checked now."""
-    known = {f.name for f in fields(SamplingParams)}
-    unknown = sorted(set(given) - known)
+    """Job-level sampling defaults (CLI flags named as the input columns; None = the default),
+    checked now."""
+    unknown = sorted(set(given) - set(SAMPLING_COLUMNS))
     if unknown:
         raise InputError(f"unknown sampling parameter(s) {unknown}")
     defaults = {k: v for k, v in given.items() if v is not None}
     try:
-        SamplingParams(**defaults)
+        sampling_params(defaults)
     except (TypeError, ValueError) as exc:
         raise InputError(f"job sampling defaults: {exc}") from exc
     return defaults
+
+
+def sampling_params(values: dict) -> tuple[SamplingParams, int]:
+    """SamplingParams and `n` from values named as the input columns (`n`, `logprobs` and
+    `top_logprobs` are not SamplingParams fields); ValueError names the bad one."""
+    values = dict(values)
+    n = values.pop("n", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be an integer in [1, {MAX_N}], got {n!r}")
+    values["logprobs"] = _top_n(values.pop("logprobs", None), values.pop("top_logprobs", None))
+    return SamplingParams(**values), n
+
+
+def _top_n(logprobs: bool | int | None, top: int | None) -> int | None:
+    """SamplingParams.logprobs (alternatives per token; None = no logprobs) from OpenAI's pair
+    `logprobs` (true) + `top_logprobs` (count), or vLLM's `logprobs` count alone."""
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+        raise ValueError(f"top_logprobs must be an integer >= 0, got {top!r}")
+    if logprobs is None or logprobs is True:
+        return top if top is not None else (0 if logprobs else None)
+    if logprobs is False:
+        if top is not None:
+            raise ValueError("top_logprobs needs logprobs true (or null), got logprobs false")
+        return None
+    if top is not None and top != logprobs:
+        raise ValueError(f"logprobs {logprobs} (a count) and top_logprobs {top} disagree; give one")
+    return logprobs
 
 
 def row_request(row: dict, defaults: dict) -> RowRequest:
@@ -250,14 +313,16 @@ def row_request(row: dict, defaults: dict) -> RowRequest:
     elif not prompt:
         return RowRequest(None, None, None, "empty prompt")
     try:
-        params = SamplingParams(**{**defaults, **overrides})
+        params, n = sampling_params({**defaults, **overrides})
     except (TypeError, ValueError) as exc:
         return RowRequest(None, None, None, f"invalid sampling parameters: {exc}")
-    return RowRequest(prompt, messages, params, None)
+    return RowRequest(prompt, messages, params, None, n)
 
 
 def _cell(name: str, value: Any) -> Any:
     kind = SAMPLING_COLUMNS[name]
+    if kind == "logprobs":
+        return value if isinstance(value, bool) else int(value)
     if kind == "int":
         return int(value)
     if kind == "float":
@@ -279,3 +344,31 @@ def _check_messages(messages: list) -> str | None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+# ---------------------------------------------------------------- the model
+
+
+def check_model(name: str, *, local: bool, what: str = "--model") -> None:
+    """Refuse a model name that names nothing, before a job is recorded (InputError, exit 2).
+
+    A registry name, the random test model, an existing directory or GGUF file, or a Hugging Face
+    Hub id pass (a Hub id is fetched by the workers; nothing is downloaded here). With `local` (the
+    job runs on this machine, `batchgen run`) a registry model must be pulled already, since the
+    workers would fail on it; `submit` leaves pulling to the worker machines.
+    """
+    from engine.registry import KNOWN_MODELS, ModelNotFoundError, resolve_model
+
+    if not name or (_looks_like_hub_id(name) and not Path(name).expanduser().exists()):
+        return
+    if name in KNOWN_MODELS and not local:
+        return
+    try:
+        resolve_model(name)
+    except ModelNotFoundError as exc:
+        raise InputError(f"{what}: {exc}") from None
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    owner, slash, repo = name.partition("/")
+    return bool(slash and owner and repo) and "/" not in repo and not name.startswith((".", "~"))

@@ -17,12 +17,20 @@ from jobs.store.parts import Store
 from jobs.store.schemas import ShardEvent
 from jobs.supervise import job_progress
 
+# per request (its n samples together): failed if a sample erred, else cancelled if one was cancelled
+REQUEST_OUTCOMES_SQL = """
+SELECT job_id, request_id,
+    CASE WHEN bool_or(finish_reason = 'error') THEN 'failed'
+         WHEN bool_or(finish_reason = 'cancelled') THEN 'cancelled'
+         ELSE 'completed' END AS outcome
+FROM outputs {where} GROUP BY job_id, request_id
+"""
 _COUNTS_SQL = """
 SELECT job_id,
-    count(*) FILTER (WHERE finish_reason IN ('stop', 'length')) AS completed,
-    count(*) FILTER (WHERE finish_reason = 'error') AS failed,
-    count(*) FILTER (WHERE finish_reason = 'cancelled') AS cancelled
-FROM outputs {where} GROUP BY job_id
+    count(*) FILTER (WHERE outcome = 'completed') AS completed,
+    count(*) FILTER (WHERE outcome = 'failed') AS failed,
+    count(*) FILTER (WHERE outcome = 'cancelled') AS cancelled
+FROM (""" + REQUEST_OUTCOMES_SQL + """) GROUP BY job_id
 """
 
 
@@ -68,8 +76,13 @@ def _live_rows(data_dir: str, job_id: str) -> int:
         return 0
 
 
-def job_status(manifest: JobManifest) -> dict:
-    """One job: its `jobs` row, request counts and every shard (with live progress when running)."""
+SHARD_STATES = ("completed", "running", "queued", "failed", "cancelled")  # the `shards` view's statuses
+LISTED_STATES = ("running", "failed")  # the shards `status JOB` lists without --shards
+
+
+def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
+    """One job: its `jobs` row, request counts, shard counts by state and its shards (every one, or
+    only the running and failed ones), with live progress where running."""
     con = connect(manifest.data_dir)
     try:
         job = _fetch(con, "SELECT * FROM jobs WHERE job_id = ?", [manifest.job_id])
@@ -85,7 +98,10 @@ def job_status(manifest: JobManifest) -> dict:
     info = dict(job[0]) if job else {"job_id": manifest.job_id, "status": "queued"}
     info.pop("config", None)
     info["request_counts"] = _request_counts(manifest.num_requests, counts[0] if counts else None)
-    info["shards"] = shards
+    info["shard_counts"] = {state: sum(1 for s in shards if s["status"] == state) for state in SHARD_STATES}
+    info["shard_counts"]["total"] = len(manifest.shards)
+    info["shards"] = shards if all_shards else [s for s in shards if s["status"] in LISTED_STATES]
+    info["all_shards"] = all_shards
     return info
 
 
@@ -117,12 +133,18 @@ def render_job(info: dict) -> str:
     ]
     if info.get("error"):
         head.append(f"error: {info['error']}")
+    counts = info["shard_counts"]
+    head.append(f"shards: {counts['total']} total, " + ", ".join(f"{counts[s]} {s}" for s in SHARD_STATES))
+    if not info["shards"]:
+        note = "" if info.get("all_shards") else "\n(none running or failed; --shards lists all)"
+        return "\n".join(head) + note
     lines = [("SHARD", "STATUS", "ATTEMPTS", "ROWS", "WORKER", "ERROR")]
     for s in info["shards"]:
         rows = f"{s['rows_done'] or 0}/{s['num_requests'] or '?'}"
         lines.append((str(s["shard_id"]), s["status"], str(s["attempts"]), rows, s["worker_id"] or "",
                       s["error"] or ""))
-    return "\n".join(head) + "\n\n" + _table(lines)
+    note = "" if info.get("all_shards") else "\n(running and failed shards only; --shards lists all)"
+    return "\n".join(head) + "\n\n" + _table(lines) + note
 
 
 def _table(lines: list[tuple[str, ...]]) -> str:

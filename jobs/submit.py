@@ -1,9 +1,10 @@
 """Submitting a job: validate the input, cut it into shards, write the manifest, publish the shards.
 
-`prepare_job` does everything that can fail on bad input, before any work is queued: it reads the
-input file by file and batch by batch, checks columns and ids (`jobs.spec`), and writes shard files
-into a staging directory that becomes DATA_DIR/jobs/<job_id>/ only when the whole input passed.
-`publish_job` then records the job in the store and sends one task per shard.
+`prepare_job` does everything that can fail on bad input, before any work is queued: it checks the
+model name, reads the input (Parquet, or JSONL through jobs.jsonl_input) file by file and batch by
+batch, checks columns and ids (`jobs.spec`), and writes shard files into a staging directory that
+becomes DATA_DIR/jobs/<job_id>/ only when the whole input passed. `publish_job` then records the job
+in the store and sends one task per shard.
 """
 
 from __future__ import annotations
@@ -12,18 +13,23 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import pyarrow.parquet as pq
+import pyarrow as pa
 
 from jobs.broker import BrokerSettings, shard_timeout_s
 from jobs.manifest import JobManifest, JobPaths, ShardWriter, jobs_root, new_job_id, write_manifest
 from jobs.spec import (
+    CHAT_TEMPLATE_MODES,
+    PROMPT_COLUMNS,
     InputError,
     InputSchema,
     RequestIds,
+    check_model,
     check_sampling_values,
+    input_kind,
     open_parquet,
     resolve_input_files,
     sampling_defaults,
@@ -47,8 +53,13 @@ class JobRequest:
     max_retries: int = 3  # retries of a failing shard before it fails for good
     retry_backoff_s: float = 5.0  # first retry delay (doubles each retry)
     job_id: str | None = None  # default: job-<utc time>-<random>
-    output_path: str = ""  # the job's output Parquet, when asked for
+    output_path: str = ""  # the job's output file (.parquet or .jsonl), when asked for
     extra: dict = field(default_factory=dict)
+    apply_chat_template: str = "auto"  # auto | always | never: a `prompt` through the chat template
+    keep_prompt: bool = False  # carry the prompt / messages columns through to `outputs`
+    model_given: bool = True  # engine["model"] was asked for (else an OpenAI file's body.model may set it)
+    local: bool = False  # the job runs on this machine (`run`): its model must be loadable here
+    fingerprint: str = ""  # what makes a `run` command the same again (jobs.resume)
 
 
 def prepare_job(req: JobRequest, broker: BrokerSettings) -> JobManifest:
@@ -57,8 +68,13 @@ def prepare_job(req: JobRequest, broker: BrokerSettings) -> JobManifest:
         raise InputError(f"--shard-size must be >= 1, got {req.shard_size}")
     if req.max_retries < 0:
         raise InputError(f"--max-retries must be >= 0, got {req.max_retries}")
+    if req.apply_chat_template not in CHAT_TEMPLATE_MODES:
+        raise InputError(f"--apply-chat-template must be one of {CHAT_TEMPLATE_MODES}, "
+                         f"got {req.apply_chat_template!r}")
     defaults = sampling_defaults(**req.sampling)
     files = resolve_input_files(req.source)
+    if req.model_given or input_kind(files[0]) != "jsonl":
+        check_model(req.engine.get("model", ""), local=req.local)
     data_dir = str(Path(req.data_dir).expanduser().resolve())
     now = time.time()
     job_id = _job_id(req.job_id, data_dir, now)
@@ -83,50 +99,116 @@ def _job_id(given: str | None, data_dir: str, now: float) -> str:
     return job_id
 
 
+@dataclass
+class _InputFile:
+    """One input file, opened: its format, its input columns and a way to read its rows."""
+
+    path: Path
+    format: str  # parquet | jsonl (plain rows) | openai (OpenAI Batch request lines)
+    schema: pa.Schema  # the input columns (internal ones, such as an OpenAI line's url, excluded)
+    batches: Callable[[], Iterator[tuple[pa.RecordBatch, list[int] | None]]]  # (rows, JSONL line numbers)
+    # once read: the model the file's requests name (OpenAI body.model) or None, and where first
+    model: Callable[[], tuple[str | None, str]] = lambda: (None, "")
+
+
+def _open_input(path: Path) -> _InputFile:
+    if input_kind(path) == "jsonl":
+        from jobs.jsonl_input import JsonlInput
+
+        source = JsonlInput.scan(path)
+        return _InputFile(path, source.format, source.schema, source.batches,
+                          lambda: (source.model, f"{path} line {source.model_line}"))
+    pf = open_parquet(path)
+    batches = lambda: ((b, None) for b in pf.iter_batches(batch_size=READ_BATCH_ROWS))
+    return _InputFile(path, "parquet", pf.schema_arrow, batches)
+
+
+@dataclass
+class _Read:
+    """What reading a job's input found, beyond the shards themselves."""
+
+    format: str = ""  # of the first file; every file has the same
+    schema: InputSchema | None = None
+    model: str | None = None  # the model the input names, if any
+    model_where: str = ""
+    max_n: int = 1  # the largest `n` of any row
+
+
 def _write_shards(req: JobRequest, files: list[Path], staging: Path, data_dir: str, job_id: str,
                   defaults: dict, broker: BrokerSettings, now: float) -> JobManifest:
     shards_dir = staging / "shards"
     shards_dir.mkdir()
     writer = ShardWriter(shards_dir, req.shard_size)
     ids = RequestIds()
-    schema: InputSchema | None = None
+    read = _Read(max_n=defaults.get("n", 1))
     for path in files:
-        pf = open_parquet(path)
-        if schema is None:
-            schema = InputSchema.check(pf.schema_arrow, path)
-        else:
-            schema.check_same(pf.schema_arrow, path)
-        _read_file(pf, path, writer, ids)
+        _take_file(_open_input(path), read, writer, ids)
     shards = writer.close()
     if ids.num_rows == 0:
         raise InputError(f"input {req.source!r} has no rows")
     final = JobPaths.of(data_dir, job_id)
     for shard in shards:
         shard.path = str(final.shard_file(shard.shard_id))
+    engine = {**req.engine, "model": _job_model(req, read)}
     max_tokens = defaults.get("max_tokens", 16)
+    carried = [c for c in PROMPT_COLUMNS if c in read.schema.schema.names] if req.keep_prompt else []
     return JobManifest(
         job_id=job_id, data_dir=data_dir, inputs=[str(p) for p in files], num_requests=ids.num_rows,
-        shard_size=req.shard_size, shards=shards, engine=req.engine, sampling_defaults=defaults,
+        shard_size=req.shard_size, shards=shards, engine=engine, sampling_defaults=defaults,
         queue=broker.queue, broker=broker.display_url, max_retries=req.max_retries,
-        retry_backoff_s=req.retry_backoff_s, extra_columns=schema.extra_columns, submitted_ts=now,
-        output_path=req.output_path, shard_timeout_s=shard_timeout_s(req.shard_size, max_tokens),
-        extra=req.extra,
+        retry_backoff_s=req.retry_backoff_s, extra_columns=carried + read.schema.extra_columns,
+        submitted_ts=now, output_path=req.output_path,
+        shard_timeout_s=shard_timeout_s(req.shard_size * read.max_n, max_tokens), extra=req.extra,
+        input_format=read.format, apply_chat_template=req.apply_chat_template, fingerprint=req.fingerprint,
     )
 
 
-def _read_file(pf: pq.ParquetFile, path: Path, writer: ShardWriter, ids: RequestIds) -> None:
-    file_row = 0
+def _take_file(source: _InputFile, read: _Read, writer: ShardWriter, ids: RequestIds) -> None:
+    """Check one file against the job's first and cut its rows into shards."""
+    if read.schema is None:
+        read.format, read.schema = source.format, InputSchema.check(source.schema, source.path)
+    else:
+        if source.format != read.format:
+            raise InputError(f"{source.path}: {source.format} input, but the first file is {read.format}; "
+                             "one job reads one format")
+        read.schema.check_same(source.schema, source.path)
+    read.max_n = max(read.max_n, _read_file(source, writer, ids))
+    model, where = source.model()
+    if model is not None:
+        if read.model is not None and model != read.model:
+            raise InputError(f"{where}: body.model {model!r} differs from {read.model!r} "
+                             f"({read.model_where}); one job runs one model")
+        read.model, read.model_where = model, where
+
+
+def _job_model(req: JobRequest, read: _Read) -> str:
+    """The model the job runs: --model, or the model an OpenAI file names when --model was not given
+    (checked here: before reading, only a given --model or a Parquet job's was)."""
+    asked = req.engine.get("model", "")
+    if read.model is not None and read.model != asked and req.model_given:
+        raise InputError(f"{read.model_where}: body.model {read.model!r} differs from --model {asked!r}; "
+                         "drop body.model from the file or run it with --model " + read.model)
+    if req.model_given or read.format == "parquet":
+        return asked
+    model = read.model or asked
+    check_model(model, local=req.local, what=f"{read.model_where}: body.model" if read.model else "--model")
+    return model
+
+
+def _read_file(source: _InputFile, writer: ShardWriter, ids: RequestIds) -> int:
+    """Shard one file's rows; the largest `n` among them."""
+    file_row, max_n = 0, 1
     try:
-        batches = pf.iter_batches(batch_size=READ_BATCH_ROWS)
-        for batch in batches:
-            check_sampling_values(batch, path, file_row)
-            writer.add(batch, ids.take(batch, path, file_row))
+        for batch, lines in source.batches():
+            max_n = max(max_n, check_sampling_values(batch, source.path, file_row))
+            writer.add(batch, ids.take(batch, source.path, file_row, lines))
             file_row += batch.num_rows
     except InputError:
         raise
     except Exception as exc:  # noqa: BLE001 - pyarrow raises many kinds for a damaged file
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"{path}: unreadable after row {file_row} ({first_line})") from exc
+        raise InputError(f"{source.path}: unreadable after row {file_row} ({first_line})") from exc
+    return max_n
 
 
 def _move_into_place(staging: Path, final: JobPaths, manifest: JobManifest) -> None:

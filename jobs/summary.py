@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jobs.manifest import JobManifest
+from jobs.status import REQUEST_OUTCOMES_SQL
 from jobs.store.catalog import connect
 
 
@@ -15,25 +16,29 @@ class JobSummary:
     job_id: str
     status: str  # the `jobs` view status
     num_requests: int  # input rows
-    rows_ok: int = 0  # finish_reason stop or length
-    rows_error: int = 0  # finish_reason error
-    rows_cancelled: int = 0  # finish_reason cancelled
-    prompt_tokens: int = 0
+    rows_ok: int = 0  # every sample finished with stop or length
+    rows_error: int = 0  # a sample with finish_reason error
+    rows_cancelled: int = 0  # a sample with finish_reason cancelled (and none with error)
+    prompt_tokens: int = 0  # once per row (its samples share the prompt)
     output_tokens: int = 0
     generation_s: float = 0.0  # first shard started -> last shard finished
     shards_failed: int = 0
     failures: list[str] = field(default_factory=list)  # "shard N: error" of failed shards
 
-    def render(self, elapsed_s: float) -> str:
+    def render(self, elapsed_s: float, resumed: bool = False) -> str:
+        """The summary; a `resumed` job's rates would mix runs (its generation time spans both), so
+        they are left out."""
         gen = self.generation_s or elapsed_s
         rows = self.rows_ok + self.rows_error + self.rows_cancelled
+        rows_rate = "" if resumed else f"; {rows / gen:.2f} rows/s"
+        tok_rate = "" if resumed else f" ({self.output_tokens / gen:.1f} tok/s)"
+        how = ("this run, which resumed the job; no rates: they would span the runs" if resumed else
+               f"generation {gen:.1f} s, the rest is start-up: model load, worker start")
         lines = [
-            f"job {self.job_id}: {self.status} in {elapsed_s:.1f} s (generation {gen:.1f} s, the rest is "
-            "start-up: model load, worker start)",
+            f"job {self.job_id}: {self.status} in {elapsed_s:.1f} s ({how})",
             f"rows: {self.rows_ok} ok, {self.rows_error} error, {self.rows_cancelled} cancelled, "
-            f"{self.num_requests - rows} without output (of {self.num_requests}); {rows / gen:.2f} rows/s",
-            f"tokens: {self.output_tokens} output ({self.output_tokens / gen:.1f} tok/s), "
-            f"{self.prompt_tokens} prompt",
+            f"{self.num_requests - rows} without output (of {self.num_requests}){rows_rate}",
+            f"tokens: {self.output_tokens} output{tok_rate}, {self.prompt_tokens} prompt",
         ]
         lines += [f"failed {f}" for f in self.failures]
         return "\n".join(lines)
@@ -44,9 +49,10 @@ def job_summary(manifest: JobManifest) -> JobSummary:
     try:
         job = con.execute("SELECT status, epoch(started_at), epoch(finished_at) FROM jobs WHERE job_id = ?",
                           [manifest.job_id]).fetchone()
-        reasons = con.execute(
-            "SELECT finish_reason, count(*), sum(prompt_tokens), sum(output_tokens) FROM outputs "
-            "WHERE job_id = ? GROUP BY finish_reason", [manifest.job_id]).fetchall()
+        outcomes = con.execute("SELECT outcome, count(*) FROM (" + REQUEST_OUTCOMES_SQL.format(
+            where="WHERE job_id = ?") + ") GROUP BY outcome", [manifest.job_id]).fetchall()
+        tokens = con.execute("SELECT sum(prompt_tokens) FILTER (WHERE coalesce(sample_index, 0) = 0), "
+                             "sum(output_tokens) FROM outputs WHERE job_id = ?", [manifest.job_id]).fetchone()
         failed = con.execute("SELECT shard_id, error FROM shards WHERE job_id = ? AND status = 'failed' "
                              "ORDER BY shard_id", [manifest.job_id]).fetchall()
     finally:
@@ -56,13 +62,8 @@ def job_summary(manifest: JobManifest) -> JobSummary:
                          failures=[f"shard {s}: {e}" for s, e in failed])
     if started and finished:
         summary.generation_s = max(finished - started, 0.0)
-    for reason, n, prompt, output in reasons:
-        if reason in ("stop", "length"):
-            summary.rows_ok += n
-        elif reason == "error":
-            summary.rows_error += n
-        else:
-            summary.rows_cancelled += n
-        summary.prompt_tokens += int(prompt or 0)
-        summary.output_tokens += int(output or 0)
+    counts = dict(outcomes)
+    summary.rows_ok, summary.rows_error = counts.get("completed", 0), counts.get("failed", 0)
+    summary.rows_cancelled = counts.get("cancelled", 0)
+    summary.prompt_tokens, summary.output_tokens = int(tokens[0] or 0), int(tokens[1] or 0)
     return summary

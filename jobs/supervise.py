@@ -199,10 +199,36 @@ def _give_up_on(manifest: JobManifest, store: Store, leases: ShardLeases, view: 
     note = (f"worker died running attempt {view.attempt} ({worker}); gave up after {retries} re-queues "
             f"and retries (max_retries {manifest.max_retries})")
     log.error("job %s shard %d: %s", manifest.job_id, view.shard_id, note)
-    state = view.state or LeaseState(worker, "", 0, view.attempt, "running", view.claimed_ts, view.claimed_ts)
-    Lease(leases, view.shard_id, state).end("failed", note)
+    _end_for(leases, view, "failed", note)
     store.record_shard_events([ShardEvent(manifest.job_id, view.shard_id, "failed", time.time(),
                                           attempt=view.attempt, worker_id=worker, error=note)])
+
+
+def _end_for(leases: ShardLeases, view: AttemptView, state: str, note: str) -> None:
+    """End an attempt whose worker is gone, on its behalf."""
+    worker = view.state.worker_id if view.state is not None else "unknown"
+    lease = view.state or LeaseState(worker, "", 0, view.attempt, "running", view.claimed_ts, view.claimed_ts)
+    Lease(leases, view.shard_id, lease).end(state, note)
+
+
+def hand_back_dead_attempts(manifest: JobManifest, store: Store) -> list[int]:
+    """End a job's dead attempts as handed back (their workers were stopped at an interrupt before
+    they could) and record their shards queued; the shard ids. No retry is used: the next run of the
+    job queues them again (jobs.resume), and nothing else re-queues an attempt marked here."""
+    leases = ShardLeases(JobPaths.of(manifest.data_dir, manifest.job_id).leases)
+    now, handed = time.time(), []
+    note = "handed back: its worker was stopped at an interrupt"
+    for shard_id, attempts in sorted(leases.claimed_attempts().items()):
+        view = leases.view(shard_id, attempts[-1])
+        if not view.dead(now, leases.ttl_s) or store.committed(manifest.job_id, shard_id) is not None:
+            continue
+        if not leases.mark_requeued(shard_id, view.attempt):
+            continue
+        _end_for(leases, view, "handed_back", note)
+        store.record_shard_events([ShardEvent(manifest.job_id, shard_id, "queued", now,
+                                              attempt=view.attempt + 1, error=note)])
+        handed.append(shard_id)
+    return handed
 
 
 def compact_every_s() -> float:

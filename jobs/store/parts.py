@@ -290,7 +290,7 @@ class ShardAttempt:
         _check_values(table, kind, "finish_reason", FINISH_REASONS)
         self._parts.append(self._writers[kind].write(table))
         if kind == "outputs":
-            self._totals["num_outputs"] += table.num_rows
+            self._totals["num_outputs"] += _first_samples(table)
             self._totals["prompt_tokens"] += _sum(table, "prompt_tokens")
             self._totals["output_tokens"] += _sum(table, "output_tokens")
         else:
@@ -363,6 +363,12 @@ def _check_values(table: pa.Table, kind: str, name: str, allowed: Sequence[str])
 def _sum(table: pa.Table, name: str) -> int:
     total = pc.sum(table.column(name)).as_py()
     return int(total or 0)
+
+
+def _first_samples(table: pa.Table) -> int:
+    """Input rows answered: output rows of sample 0 (a row with n samples writes n output rows)."""
+    first = pc.fill_null(pc.equal(table.column("sample_index"), 0), True)
+    return int(pc.sum(first).as_py() or 0)
 
 
 def _renamed(row: dict) -> dict:

@@ -111,7 +111,7 @@ class CommitRecord:
     attempt_id: str
     worker_id: str
     committed_ts: float  # epoch seconds
-    num_outputs: int = 0  # output rows the attempt wrote
+    num_outputs: int = 0  # input rows the attempt answered (its output rows of sample 0)
     num_request_rows: int = 0  # request timing rows the attempt wrote
     prompt_tokens: int = 0  # sums over the attempt's output rows
     output_tokens: int = 0
@@ -122,11 +122,18 @@ def _schema(*cols: tuple[str, pa.DataType]) -> pa.Schema:
     return pa.schema([pa.field(name, typ) for name, typ in cols])
 
 
+# sample_index: 0 .. n-1, one output row per sample of a request; model: the model that answered
 OUTPUTS = _schema(
-    ("job_id", STR), ("request_id", STR), ("output_text", STR), ("finish_reason", STR),
-    ("prompt_tokens", I64), ("output_tokens", I64), ("error", STR),
+    ("job_id", STR), ("request_id", STR), ("sample_index", I64), ("output_text", STR), ("finish_reason", STR),
+    ("prompt_tokens", I64), ("output_tokens", I64), ("error", STR), ("model", STR),
     (SHARD_COLUMN, I64), (ATTEMPT_ID_COLUMN, STR), (PART_COLUMN, STR),
 )
+
+# The `logprobs` output column, present when a job's rows ask for logprobs: per output token, the
+# token (text), its id, its log probability, its UTF-8 bytes (null where the token alone is not
+# whole UTF-8) and the top alternatives (OpenAI's `logprobs.content` shape, plus token ids).
+_TOKEN_LOGPROB = [("token", STR), ("token_id", I64), ("logprob", F64), ("bytes", pa.list_(I64))]
+LOGPROBS_TYPE = pa.list_(pa.struct([*_TOKEN_LOGPROB, ("top_logprobs", pa.list_(pa.struct(_TOKEN_LOGPROB)))]))
 
 _ARROW_OF_ANNOTATION = {"bool": pa.bool_(), "int": I64, "float": F64, "str": STR, "list[str]": pa.list_(STR)}
 
@@ -149,7 +156,7 @@ def _stats_columns(stats: object) -> list[tuple[str, pa.DataType]]:
 
 _REQUEST_STATS = dict(_stats_columns(RequestStats()))
 REQUESTS = _schema(  # DESIGN.md's order first, then the rest of RequestStats
-    ("job_id", STR), ("shard_id", I64), ("request_id", STR), ("worker_id", STR),
+    ("job_id", STR), ("shard_id", I64), ("request_id", STR), ("sample_index", I64), ("worker_id", STR),
     ("prompt_tokens", _REQUEST_STATS.pop("prompt_tokens")),
     ("output_tokens", _REQUEST_STATS.pop("output_tokens")),
     ("finish_reason", STR), *_REQUEST_STATS.items(),

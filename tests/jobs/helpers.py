@@ -40,6 +40,20 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def worker_runtime(data_dir: Path, worker_id: str, **config) -> Iterator:
+    """An in-process WorkerRuntime over the tiny model on one torch thread, stopped at the end."""
+    from engine import EngineConfig
+    from jobs.runtime import WorkerRuntime
+
+    with one_torch_thread():
+        runtime = WorkerRuntime(EngineConfig(model=MODEL, **config), worker_id, data_dir).start()
+        try:
+            yield runtime
+        finally:
+            runtime.stop()
+
+
 def prompts(n: int, offset: int = 0) -> list[str]:
     """Distinct prompts of varied length (byte tokenizer: a character is a token)."""
     return [f"prompt {offset + i}: " + "abcdefgh"[: (i * 3) % 8 + 1] * ((i % 4) + 1) for i in range(n)]
@@ -56,10 +70,12 @@ def unique_queue(name: str) -> str:
 
 
 def submit(data_dir: Path, source: Path, broker: BrokerSettings, *, shard_size: int, max_tokens: int,
-           max_retries: int = 3, retry_backoff_s: float = 0.2, engine: dict | None = None) -> JobManifest:
+           max_retries: int = 3, retry_backoff_s: float = 0.2, engine: dict | None = None,
+           apply_chat_template: str = "never") -> JobManifest:
+    """Submit and publish a job; prompts go in raw by default, so outputs match `LLM.generate`."""
     req = JobRequest(str(source), str(data_dir), engine or {"model": MODEL},
                      {"max_tokens": max_tokens, "temperature": 0.0}, shard_size, max_retries=max_retries,
-                     retry_backoff_s=retry_backoff_s)
+                     retry_backoff_s=retry_backoff_s, apply_chat_template=apply_chat_template)
     manifest = prepare_job(req, broker)
     publish_job(manifest, broker)
     return manifest

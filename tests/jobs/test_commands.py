@@ -115,20 +115,55 @@ def test_run_end_to_end_writes_every_row_once_in_input_order(tmp_path):
     assert "max_tokens must be an integer >= 1" in table[1]["error"] and table[3]["error"] == "empty prompt"
     assert "max_model_len is 64" in table[5]["error"]
     ok = [0, 2, 4, 6]
-    with one_torch_thread():
+    with one_torch_thread():  # --apply-chat-template auto: the model has a template, a prompt is a user turn
         params = [SamplingParams(max_tokens=5 if i == 4 else 12, temperature=0.0) for i in ok]
-        ref = LLM(MODEL, max_model_len=64).generate([texts[i] for i in ok], params)
+        ref = LLM(MODEL, max_model_len=64).chat([[{"role": "user", "content": texts[i]}] for i in ok], params)
     assert [table[i]["output_text"] for i in ok] == [o.text for o in ref]
     # the finished job was compacted: one file per kind instead of a part per flush
     compacted = list((tmp_path / "data" / "store" / "tables").glob("outputs/compacted/*/*.parquet"))
     assert len(compacted) == 1
 
 
+def test_status_counts_shards_by_state_and_lists_only_running_and_failed(tmp_path):
+    from jobs.store.parts import Store
+    from jobs.store.schemas import ShardEvent
+
+    data = tmp_path / "data"
+    src = _write(tmp_path / "ok.parquet", prompt=[f"p{i}" for i in range(5)])
+    sub = _invoke("submit", src, "--model", MODEL, "--data-dir", str(data), "--shard-size", "1",
+                  "--queue", "q.s")
+    job_id = sub.output.strip().splitlines()[-1]
+    shown = _invoke("status", job_id, "--data-dir", str(data), "--no-requeue")
+    assert "shards: 5 total, 0 completed, 0 running, 5 queued, 0 failed, 0 cancelled" in shown.output
+    assert "(none running or failed; --shards lists all)" in shown.output and "SHARD" not in shown.output
+    Store(str(data)).record_shard_events([ShardEvent(job_id, 3, "failed", 1.0, attempt=1, error="boom")])
+    shown = _invoke("status", job_id, "--data-dir", str(data), "--no-requeue")
+    table = _shard_lines(shown.output)
+    assert len(table) == 1 and table[0].split()[:2] == ["3", "failed"] and "boom" in table[0], shown.output
+    assert "(running and failed shards only; --shards lists all)" in shown.output
+    everything = _invoke("status", job_id, "--data-dir", str(data), "--no-requeue", "--shards")
+    assert [line.split()[0] for line in _shard_lines(everything.output)] == ["0", "1", "2", "3", "4"]
+    info = json.loads(_invoke("status", job_id, "--data-dir", str(data), "--format", "json").output)
+    assert info["shard_counts"] == {"completed": 0, "running": 0, "queued": 4, "failed": 1, "cancelled": 0,
+                                    "total": 5}
+    assert [s["shard_id"] for s in info["shards"]] == [3]
+
+
+def _shard_lines(output: str) -> list[str]:
+    """The rows of the shard table `status JOB` prints."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("SHARD"))
+    return [line for line in lines[start + 1:] if line.strip() and not line.startswith("(")]
+
+
 @pytest.mark.slow
 def test_run_with_a_model_that_cannot_load_fails_with_exit_1(tmp_path):
     src = _write(tmp_path / "in.parquet", prompt=["a"])
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # names a model directory, but nothing loads from it
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "jobs.cli", "run", src, "--model", str(tmp_path / "no-model"),
+    cmd = [sys.executable, "-m", "jobs.cli", "run", src, "--model", str(broken),
            "--data-dir", str(tmp_path / "data"), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr

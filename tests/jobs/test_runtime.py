@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, SamplingParams
 from jobs.broker import resolve_broker
 from jobs.manifest import JobPaths
-from jobs.runtime import EngineRequest, ShardRun, WorkerRuntime
+from jobs.runtime import EngineRequest, ShardRun
 from jobs.shard_runner import ShardTask, backoff_s, process_shard
 from jobs.submit import JobRequest, prepare_job
-from tests.jobs.helpers import MODEL, one_torch_thread, outputs_of, query, shards_of, wait_for, write_prompts
+from tests.jobs.helpers import MODEL, outputs_of, query, shards_of, wait_for, worker_runtime, write_prompts
 
 MAX_TOKENS = 12
 
@@ -27,10 +27,8 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runtime(data_dir):
-    with one_torch_thread():
-        rt = WorkerRuntime(EngineConfig(model=MODEL, max_num_seqs=4), "w-inproc", data_dir).start()
+    with worker_runtime(data_dir, "w-inproc", max_num_seqs=4) as rt:
         yield rt
-        rt.stop()
 
 
 def _job(data_dir, tmp_path, n, shard_size, **kw):
@@ -50,7 +48,9 @@ def test_shard_commits_greedy_outputs_once(runtime, data_dir, tmp_path):
     m, texts = _job(data_dir, tmp_path, 5, 5)
     out = process_shard(_task(m, 0), runtime)
     assert (out.result, out.attempt, out.rows) == ("committed", 1, 5)
-    ref = LLM(MODEL).generate(texts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    # --apply-chat-template auto (the default): the model has a template, so a prompt is a user turn
+    ref = LLM(MODEL).chat([[{"role": "user", "content": t}] for t in texts],
+                          SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     rows = outputs_of(data_dir, m.job_id)
     assert [r["output_text"] for r in rows] == [o.text for o in ref]
     assert [r["output_tokens"] for r in rows] == [len(o.token_ids) for o in ref]

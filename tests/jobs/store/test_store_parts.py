@@ -60,8 +60,8 @@ def test_extra_input_columns_are_carried_through_to_outputs(store):
     assert rows == [("1", "math", 0.5, ["a", "b"], None), ("2", "chat", None, None, None),
                     ("9", None, None, None, "web")]
     cols = [d[0] for d in con.execute("SELECT * FROM outputs").description]
-    assert cols[:7] == ["job_id", "request_id", "output_text", "finish_reason", "prompt_tokens",
-                        "output_tokens", "error"]
+    assert cols[:9] == ["job_id", "request_id", "sample_index", "output_text", "finish_reason",
+                        "prompt_tokens", "output_tokens", "error", "model"]
     assert not [c for c in cols if c.startswith("_bg_")]
 
 
