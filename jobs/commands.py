@@ -7,7 +7,6 @@ with a message naming the flag, file, column or row.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import socket
@@ -185,18 +184,25 @@ def submit(prompts: str, data_dir: str, broker_url: str | None, queue: str, **op
 @click.option("--shard-timeout", type=float, help="Seconds a shard may hold its message (broker visibility / "
               "consumer timeout; default from the default shard size).")
 @click.option("--loglevel", default="INFO", show_default=True)
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Serve Prometheus /metrics on this port (0 = any free one; default: off).")
+@click.option("--metrics-host", default="0.0.0.0", show_default=True,
+              help="Address --metrics-port binds (metrics hold counts and ids, never prompts or outputs).")
 def worker(data_dir: str, broker_url: str | None, queue: str, concurrency: int, worker_id: str | None,
-           shard_timeout: float | None, loglevel: str, **opts) -> None:
+           shard_timeout: float | None, loglevel: str, metrics_port: int | None, metrics_host: str,
+           **opts) -> None:
     """Serve shard tasks from the queue with one long-lived engine."""
+    from jobs.logs import configure_logging
     from jobs.worker_main import run_worker
 
     config = engine_config(opts)
     settings = _broker(data_dir, queue, url=broker_url, timeout_s=shard_timeout)
     check_broker(settings)
     worker_id = worker_id or f"batchgen-{os.getpid()}@{socket.gethostname()}"
-    logging.basicConfig(level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(level=loglevel)
+    metrics_at = (metrics_host, metrics_port) if metrics_port is not None else None
     sys.exit(run_worker(config, settings, str(Path(data_dir).expanduser().resolve()), worker_id,
-                        concurrency, loglevel))
+                        concurrency, loglevel, metrics_at))
 
 
 # ---------------------------------------------------------------- run
@@ -302,13 +308,12 @@ def _requeue(data_dir: str, job_id: str | None) -> None:
 @click.option("--reason", default="cancelled by user", show_default=True)
 def cancel(job_id: str, data_dir: str, reason: str) -> None:
     """Cancel a job: queued shards are skipped, running ones stop; finished rows stay."""
-    from jobs.manifest import JobPaths
-    from jobs.store.parts import Store
+    from jobs.status import cancel_job
 
     manifest = _manifest(data_dir, job_id)
-    paths = JobPaths.of(manifest.data_dir, job_id)
-    paths.cancel_marker.write_text(reason + "\n")
-    Store(manifest.data_dir).request_cancel(job_id, reason)
+    if not cancel_job(manifest, reason):
+        click.echo(f"job {job_id}: already cancelled")
+        return
     click.echo(f"job {job_id}: cancel requested; running shards stop within seconds, "
                "queued shards are skipped")
 
