@@ -255,9 +255,9 @@ class WorkerRuntime:
             self.metrics.on_request(out.metrics, out.finish_reason)
 
     def _on_idle(self) -> None:
-        self.telemetry.flush()
-        if self.metrics is not None:
+        if self.metrics is not None:  # first: a reader that sees the flushed telemetry sees an idle engine
             self.metrics.on_idle()
+        self.telemetry.flush()
 
     def start(self) -> WorkerRuntime:
         self._write_record()
