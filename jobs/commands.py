@@ -27,11 +27,14 @@ from jobs.broker import (
     BrokerSettings,
     resolve_broker,
 )
+from jobs.logs import LOG_FORMAT_ENV
 from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 __all__ = ["ENGINE_FIELDS", "engine_config", "engine_flags", "engine_options"]  # re-exported for jobs.*
 
 # ---------------------------------------------------------------- shared options
+
+MAX_CONCURRENCY = 64  # shards one worker holds at once, at most
 
 _SAMPLING_OPTIONS = [
     click.option("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True,
@@ -178,7 +181,7 @@ def submit(prompts: str, data_dir: str, broker_url: str | None, queue: str, **op
 @_DATA_DIR_OPTION
 @_BROKER_OPTION
 @click.option("--queue", envvar=QUEUE_ENV, default=DEFAULT_QUEUE, show_default=True, help="Queue to consume.")
-@click.option("--concurrency", type=click.IntRange(1, 64), default=2, show_default=True,
+@click.option("--concurrency", type=click.IntRange(1, MAX_CONCURRENCY), default=2, show_default=True,
               help="Shards held in the engine at once (>= 2 keeps it busy across shard boundaries).")
 @click.option("--worker-id", "-n", help="Worker name (default batchgen-<pid>@<host>).")
 @click.option("--shard-timeout", type=float, help="Seconds a shard may hold its message (broker visibility / "
@@ -217,7 +220,7 @@ def worker(data_dir: str, broker_url: str | None, queue: str, concurrency: int, 
 @click.option("--output", type=click.Path(dir_okay=False), help="Write the job's output Parquet here.")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Worker processes (each loads the model).")
-@click.option("--concurrency", type=click.IntRange(1, 64),
+@click.option("--concurrency", type=click.IntRange(1, MAX_CONCURRENCY),
               help="Shards held in each engine at once (default: enough to fill --max-num-seqs, >= 2).")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def run(prompts: str, data_dir: str, output: str | None, workers: int, concurrency: int | None,
@@ -233,9 +236,12 @@ def run(prompts: str, data_dir: str, output: str | None, workers: int, concurren
     # a queue of its own: no other worker on the embedded broker takes this job's shards
     broker = _broker(data_dir, f"run.{opts['job_id']}", embedded=True)
     manifest = _prepare(request, broker)
-    concurrency = concurrency or max(2, math.ceil(config.max_num_seqs / manifest.shard_size) + 1)
+    # enough shards to fill max_num_seqs, within what `batchgen worker --concurrency` accepts
+    concurrency = concurrency or min(max(2, math.ceil(config.max_num_seqs / manifest.shard_size) + 1),
+                                     MAX_CONCURRENCY)
+    json_logs = os.environ.get(LOG_FORMAT_ENV) == "json"  # set by --log-format (jobs.logs)
     local = LocalRun(manifest, broker, config, workers=workers, concurrency=concurrency,
-                     show_progress=progress)
+                     show_progress=progress, progress_as_log=json_logs)
     try:
         code = local.run()
     except RunError as exc:

@@ -2,12 +2,14 @@
 
 Submit to the embedded broker (a queue of the job's own), start worker subprocesses (`batchgen
 worker`, logs under the job's directory), show a progress bar from the lease files (rows done /
-total, tokens/s, ETA), re-queue shards of a worker that died, stop the workers when every shard is
-committed or failed, then print a summary and write `--output`.
+total, tokens/s, ETA; with `--log-format json` a log record every PROGRESS_LOG_S instead), re-queue
+shards of a worker that died, stop the workers when every shard is committed or failed, then print
+a summary and write `--output`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -26,7 +28,10 @@ from jobs.manifest import JobManifest, JobPaths
 from jobs.store.parts import Store
 from jobs.supervise import JobProgress, job_progress, requeue_dead_shards
 
+log = logging.getLogger(__name__)
+
 POLL_S = 0.5
+PROGRESS_LOG_S = 10.0  # progress as log records (JSON logs): this often
 STOP_TIMEOUT_S = 60.0
 MAX_RESTARTS = 3  # per worker slot, for workers killed by a signal
 LOG_TAIL_LINES = 15
@@ -48,13 +53,14 @@ class WorkerProcess:
 
 class LocalRun:
     def __init__(self, manifest: JobManifest, broker: BrokerSettings, config: EngineConfig, *, workers: int,
-                 concurrency: int, show_progress: bool = True) -> None:
+                 concurrency: int, show_progress: bool = True, progress_as_log: bool = False) -> None:
         self.manifest = manifest
         self.broker = broker
         self.config = config
         self.num_workers = workers
         self.concurrency = concurrency
-        self.show_progress = show_progress
+        self.show_progress = show_progress and not progress_as_log  # a bar is no log line
+        self.progress_as_log = progress_as_log and show_progress
         self.paths = JobPaths.of(manifest.data_dir, manifest.job_id)
         self.store = Store(manifest.data_dir)
         self.workers: list[WorkerProcess] = []
@@ -129,12 +135,17 @@ class LocalRun:
         bar = tqdm(total=self.manifest.num_requests, unit="row", dynamic_ncols=True,
                    disable=not self.show_progress, desc=self.manifest.job_id)
         janitor_every, last_janitor, gen_start = lease_ttl_s() / 2, time.monotonic(), None
+        last_log = time.monotonic()
         try:
             while True:
                 progress = job_progress(self.manifest, self.store)
                 if gen_start is None and (progress.rows_done or progress.count("running")):
                     gen_start = time.monotonic()
                 _show(bar, progress, gen_start)
+                due = progress.finished or time.monotonic() - last_log >= PROGRESS_LOG_S
+                if self.progress_as_log and due:
+                    last_log = time.monotonic()
+                    _log_progress(progress, gen_start)
                 if progress.finished:
                     return progress
                 self._check_workers()
@@ -170,13 +181,27 @@ class LocalRun:
         return 0 if summary.status == "completed" else 1
 
 
+def _tokens_per_s(progress: JobProgress, gen_start: float | None) -> float:
+    elapsed = time.monotonic() - gen_start if gen_start else 0.0
+    return progress.output_tokens / elapsed if elapsed > 0 else 0.0
+
+
 def _show(bar, progress: JobProgress, gen_start: float | None) -> None:
     bar.n = progress.rows_done
-    elapsed = time.monotonic() - gen_start if gen_start else 0.0
-    tok_s = progress.output_tokens / elapsed if elapsed > 0 else 0.0
     done = progress.count("committed")
+    tok_s = _tokens_per_s(progress, gen_start)
     bar.set_postfix_str(f"{tok_s:.1f} tok/s, shards {done}/{len(progress.shards)}", refresh=False)
     bar.refresh()
+
+
+def _log_progress(progress: JobProgress, gen_start: float | None) -> None:
+    """The progress bar's numbers as one log record (its fields as JSON keys too)."""
+    fields = {"job_id": progress.job_id, "rows_done": progress.rows_done,
+              "num_requests": progress.num_requests,
+              "output_tokens_per_s": round(_tokens_per_s(progress, gen_start), 2),
+              "shards_committed": progress.count("committed"), "num_shards": len(progress.shards)}
+    log.info("job %(job_id)s: %(rows_done)d/%(num_requests)d rows, %(output_tokens_per_s).1f tok/s, "
+             "shards %(shards_committed)d/%(num_shards)d", fields, extra=fields)
 
 
 def _tail(path: Path) -> str:

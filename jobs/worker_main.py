@@ -43,6 +43,7 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
     from jobs.supervise import maintenance
 
     app = make_app(settings)
+    _celery_notices_to_logging()
     record = _record(config, settings, worker_id, concurrency)
     metrics = _serve_metrics(worker_id, config, metrics_at, record) if metrics_at else None
     if metrics_at and metrics is None:
@@ -73,6 +74,16 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
         set_runtime(None)
         if metrics is not None:
             metrics.close()
+
+
+def _celery_notices_to_logging() -> None:
+    """Celery writes its shutdown notices ("worker: Warm shutdown (MainProcess)") straight to the
+    terminal, past logging, so that eventlet/gevent patching cannot break them; this worker runs
+    neither, so they go through logging and `--log-format json` holds for every line."""
+    import celery.apps.worker as celery_worker
+
+    notices = logging.getLogger("celery.apps.worker")
+    celery_worker.safe_say = lambda msg, f=None: notices.warning(msg)
 
 
 def _record(config: EngineConfig, settings: BrokerSettings, worker_id: str, concurrency: int):
