@@ -20,9 +20,9 @@ finished ones, METRICS_MAX_JOBS in all, so label cardinality does not grow with 
 
 from __future__ import annotations
 
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Response, current_app
+from prometheus_client import generate_latest
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.exposition import choose_encoder
 
 from dashboard import data, queries
 from dashboard.db import fetch_dicts
@@ -30,12 +30,15 @@ from dashboard.db import fetch_dicts
 bp = Blueprint("metrics", __name__)
 
 PREFIX = "batchgen:"
+# Always the classic text format: prometheus_client's OpenMetrics writer turns the ':' of sample names
+# into '_' (and not in HELP/TYPE), so a Prometheus asking for OpenMetrics would store batchgen_jobs.
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 JOB_STATUSES = ("queued", "running", "completed", "failed", "cancelled")
 WORKER_STATES = ("running", "idle", "gone")
 
 
 class _Families:
-    """What the exposition encoders need: an object whose collect() yields metric families."""
+    """What `generate_latest` needs: an object whose collect() yields metric families."""
 
     def __init__(self, families: list[GaugeMetricFamily]) -> None:
         self.families = families
@@ -48,8 +51,7 @@ class _Families:
 def metrics():
     jobs = _exported_jobs(current_app.config["METRICS_MAX_JOBS"])
     families = [*_fleet_families(), *_job_families(jobs)]
-    encode, content_type = choose_encoder(request.headers.get("Accept", ""))  # text, or OpenMetrics if asked
-    return Response(encode(_Families(families)), content_type=content_type)
+    return Response(generate_latest(_Families(families)), content_type=TEXT_CONTENT_TYPE)
 
 
 def _exported_jobs(limit: int) -> list[data.JobSummary]:

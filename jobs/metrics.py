@@ -25,10 +25,13 @@ Labels are `worker` and `model` (fixed for a worker's life) plus `job` on `shard
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from dataclasses import asdict
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -167,9 +170,8 @@ class WorkerMetrics:
     # -- serving
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on host:port in a daemon thread; the port bound (port 0 picks a free one)."""
-        from prometheus_client import start_http_server
-
-        self.server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.server = _metrics_server(host, port, self.registry)
+        threading.Thread(target=self.server.serve_forever, name="metrics-http", daemon=True).start()
         return self.server.server_port
 
     def close(self) -> None:
@@ -177,6 +179,35 @@ class WorkerMetrics:
             self.server.shutdown()
             self.server.server_close()
             self.server = None
+
+
+# Always the classic text format: prometheus_client's OpenMetrics writer (0.26, what a Prometheus
+# server asks for first) turns the ':' of sample names into '_' while its HELP/TYPE lines keep it,
+# so Prometheus would store batchgen_jobs instead of batchgen:jobs. The text format keeps names as
+# written, and every Prometheus reads it.
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
+        pass  # one stderr line per scrape would drown the worker's log (and break JSON logs)
+
+
+def _metrics_server(host: str, port: int, registry: CollectorRegistry) -> WSGIServer:
+    """A threaded HTTP server answering GET /metrics (and /) with the registry in text format."""
+
+    def app(environ, start_response):
+        if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"metrics are at /metrics\n"]
+        body = generate_latest(registry)
+        start_response("200 OK", [("Content-Type", TEXT_CONTENT_TYPE), ("Content-Length", str(len(body)))])
+        return [body]
+
+    family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("MetricsServer", (ThreadingMixIn, WSGIServer),
+                        {"address_family": family, "daemon_threads": True})
+    return make_server(host, port, app, server_class=server_class, handler_class=_QuietHandler)
 
 
 def _info_labels(config: EngineConfig) -> dict[str, str]:

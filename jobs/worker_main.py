@@ -79,11 +79,19 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
 def _celery_notices_to_logging() -> None:
     """Celery writes its shutdown notices ("worker: Warm shutdown (MainProcess)") straight to the
     terminal, past logging, so that eventlet/gevent patching cannot break them; this worker runs
-    neither, so they go through logging and `--log-format json` holds for every line."""
+    neither, so they go through logging and `--log-format json` holds for every line. A revoke's
+    warning about the missing result backend is dropped."""
     import celery.apps.worker as celery_worker
 
     notices = logging.getLogger("celery.apps.worker")
     celery_worker.safe_say = lambda msg, f=None: notices.warning(msg)
+    logging.getLogger("celery.worker.control").addFilter(_no_backend_to_mark)
+
+
+def _no_backend_to_mark(record: logging.LogRecord) -> bool:
+    """Celery warns on every `revoke` that it could not mark the task revoked in the result backend;
+    batchgen keeps results in the store and runs no backend by design, so that warning says nothing."""
+    return "No result backend is configured" not in record.getMessage()
 
 
 def _record(config: EngineConfig, settings: BrokerSettings, worker_id: str, concurrency: int):

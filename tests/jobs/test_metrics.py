@@ -5,6 +5,7 @@ record (jobs.store.workers) written on start, on heartbeats and on stop."""
 from __future__ import annotations
 
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -24,12 +25,20 @@ WORKER = "w-metrics"
 CONFIG = EngineConfig(model=MODEL, max_num_seqs=3, max_num_batched_tokens=64, block_size=4, num_kv_blocks=24)
 
 
+# what Prometheus sends: OpenMetrics first (prometheus_client would write batchgen_... names there)
+PROMETHEUS_ACCEPT = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"
+
+
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """(sample name, sorted labels) -> value, from a /metrics page parsed by prometheus_client."""
-    with urllib.request.urlopen(url, timeout=10) as response:
+    request = urllib.request.Request(url, headers={"Accept": PROMETHEUS_ACCEPT})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert not [name for name, _ in samples if name.startswith("batchgen_")], "names keep their colon"
+    return samples
 
 
 def value(samples: dict, name: str, **labels) -> float:
@@ -154,6 +163,13 @@ def test_idle_engine_reports_nothing_running():
                             "batchgen:kv_cache_usage_perc")}
     assert values == {"batchgen:num_requests_running": 0, "batchgen:num_requests_waiting": 0,
                       "batchgen:kv_cache_usage_perc": 0}
+
+
+def test_other_paths_are_404(served):
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(served["url"].replace("/metrics", "/nope"), timeout=10)
+    err.value.close()
+    assert err.value.code == 404
 
 
 def test_a_taken_port_is_an_os_error_naming_nothing_served(served):
