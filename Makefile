@@ -6,7 +6,7 @@ BATCHGEN := $(VENV)/bin/batchgen
 export BATCHGEN_CACHE_DIR ?= $(CURDIR)/.cache/batchgen
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: setup demo test chromium bench lint clean
+.PHONY: setup demo test test-triton-compat chromium bench gpu-check lint clean
 
 # torch first and pinned: a CPU build on local disk; anything newer is a multi-GB CUDA download
 $(VENV)/.installed: pyproject.toml
@@ -30,6 +30,25 @@ chromium:
 
 test: setup chromium
 	$(PY) -m pytest
+	$(MAKE) --no-print-directory test-triton-compat
+
+# The Triton kernel tests once more (interpreter) under the oldest Triton we support: the GPU
+# image's 3.6, installed beside the venv's newer one and put first on the path. Its interpreter
+# turns loaded loop bounds into Python ints the way NumPy < 2.4 allows (with a deprecation warning,
+# ignored here by name); compiled kernels on a GPU never take that path.
+TRITON_COMPAT := .cache/triton-3.6
+TRITON_TESTS := $(addprefix tests/kernels/,test_triton_version.py test_attention.py test_activation.py \
+	test_rms_norm.py test_rotary.py test_kv_cache.py test_ops.py test_metadata.py test_engine_triton.py)
+test-triton-compat: setup
+	test -d $(TRITON_COMPAT)/triton || $(PY) -m pip install -q --no-deps --target $(TRITON_COMPAT) \
+		'triton==3.6.*' 'numpy<2.4'
+	BATCHGEN_EXPECT_TRITON=3.6 PYTHONPATH=$(CURDIR)/$(TRITON_COMPAT) $(PY) -m pytest -q -p no:cacheprovider \
+		-W "ignore:Conversion of an array with ndim > 0:DeprecationWarning" $(TRITON_TESTS)
+
+# The GPU path end to end on a CUDA machine with nothing installed (PYTHONPATH, the image's own
+# torch and triton): one table, plus JSON and tuned kernel configs in $OUT (or gpu-check-out/).
+gpu-check:
+	PYTHONPATH=$(CURDIR) python3 scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 bench: setup
 	$(BATCHGEN) bench --num-requests 128 --prompt-len 16-256 --output-len 8-128 --baseline hf

@@ -132,8 +132,12 @@ def _model_flops(args, workload: Workload) -> float:
     return total
 
 
-def run_engine(llm, workload: Workload, peak: float, name: str = "batchgen") -> BenchResult:
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
+def run_engine(llm, workload: Workload, peak: float, name: str = "batchgen", temperature: float = 0.0
+               ) -> BenchResult:
+    """Every request of the workload through `llm.generate` (ignore_eos: each runs to its length);
+    greedy, or seeded sampling at `temperature` (seed = request index)."""
+    params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True,
+                             seed=i if temperature else None) for i, n in enumerate(workload.output_lens)]
     t0 = time.perf_counter()
     outs = llm.generate(workload.prompts, params)
     elapsed = time.perf_counter() - t0

@@ -8,6 +8,8 @@ loggers the caller registers; the engine itself keeps no per-step history.
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -21,11 +23,14 @@ from engine.model_runner import DTYPES, ModelRunner, kv_block_bytes
 from engine.outputs import RequestOutput
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.stats import IterationStats
 
 StatLogger = Callable[[IterationStats], None]
+log = logging.getLogger(__name__)
+
+CPU_FREE_RAM_SHARE = 0.25  # KV cache on CPU without --kv-cache-memory: this share of MemAvailable
 
 
 class LLMEngine:
@@ -42,27 +47,54 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_args.max_position_embeddings,
                                  self.model_args.max_position_embeddings)
         model = _build_model(self.model_args, checkpoint.weights, config)
+        self.runner = ModelRunner(model, config.block_size, self.max_model_len, config.max_num_seqs,
+                                  config.max_num_batched_tokens, enforce_eager=config.enforce_eager)
+        self.sampler = Sampler(config.seed, self.runner.staging)
         num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_graphs()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.max_model_len)
-        self.sampler = Sampler(config.seed)
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         self.iteration = 0
         self._finished: list[RequestOutput] = []  # finished outside a step (bad input, abort)
         self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self._detoks: dict[int, object] = {}  # seq_index -> incremental detokenizer (stop strings only)
         self._ids = itertools.count()
+        self._isolating = False
 
     def _num_kv_blocks(self) -> int:
+        """KV blocks: as configured, else what the memory budget holds, never more than every
+        sequence at full length would need. Logged, and in every iteration's kv_blocks_total."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         per_block = kv_block_bytes(self.model_args, cfg.block_size, DTYPES[cfg.dtype])
-        by_memory = int(cfg.kv_cache_memory_gb * (1 << 30)) // per_block
-        # never more than every sequence at full length would need
         by_need = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        return max(min(by_memory, by_need), 1)
+        budget, source = self._kv_budget_bytes()
+        by_memory = budget // per_block
+        if by_memory < -(-self.max_model_len // cfg.block_size) and by_memory < by_need:
+            log.warning("KV cache of %d blocks cannot hold one sequence of max_model_len %d (%s)",
+                        by_memory, self.max_model_len, source)
+        if by_memory < 1:
+            raise RuntimeError(f"no memory left for the KV cache: {source}; lower max_num_batched_tokens, "
+                               "raise gpu_memory_utilization or set num_kv_blocks")
+        blocks = min(by_memory, by_need)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s); %d would hold every sequence at "
+                 "max_model_len", blocks, cfg.block_size, blocks * per_block / (1 << 30), source, by_need)
+        return blocks
+
+    def _kv_budget_bytes(self) -> tuple[int, str]:
+        """Bytes the KV cache may take, and where the number came from."""
+        cfg = self.config
+        if cfg.device_kind == "cuda":
+            budget, why = self.runner.profile_kv_budget(cfg.gpu_memory_utilization, self.sampler)
+            return budget, why
+        if cfg.kv_cache_memory_gb is not None:
+            return int(cfg.kv_cache_memory_gb * (1 << 30)), f"kv_cache_memory_gb={cfg.kv_cache_memory_gb:g}"
+        free = _available_ram()
+        return int(free * CPU_FREE_RAM_SHARE), (f"{CPU_FREE_RAM_SHARE:.0%} of {free / (1 << 30):.1f} GiB "
+                                                "available RAM; --kv-cache-memory sets it")
 
     # -- requests
     def add_request(
@@ -147,22 +179,65 @@ class LLMEngine:
         ts, t0 = time.time(), time.perf_counter()
         sched = self.scheduler.schedule()
         occupancy = (len(self.scheduler.running), len(self.scheduler.waiting))
+        for seq in sched.preempted:
+            self.runner.release(seq)
         for seq in sched.rejected:
             self._on_finished(seq)
         for s in sched.scheduled:
             if not s.seq.stats.scheduled_ts:
                 s.seq.stats.scheduled_ts = ts
         num_finished = len(sched.rejected)
-        if sched.scheduled:
-            logits, sample_seqs = self.runner.execute(sched)
-            self.scheduler.on_step_done(sched)
-            tokens, logprobs = self.sampler(logits, sample_seqs)
+        for piece, result in self._run_isolating_faults(sched.scheduled):
+            if isinstance(result, Exception):
+                num_finished += self._fail(piece, result)
+                continue
+            self.scheduler.on_step_done(SchedulerOutput(scheduled=piece))
+            tokens, logprobs, sample_seqs = result
             now = time.time()
             for seq, token, lp in zip(sample_seqs, tokens, logprobs, strict=True):
-                num_finished += self._append_token(seq, token, lp, now)
+                try:
+                    num_finished += self._append_token(seq, token, lp, now)
+                except Exception as exc:  # noqa: BLE001 - e.g. a stop-string check on odd bytes
+                    num_finished += self._fail([ScheduledSequence(seq, 0, False)], exc)
         self._log(sched, ts, time.perf_counter() - t0, num_finished, occupancy)
         finished, self._finished = self._finished, []
         return finished
+
+    def _run_isolating_faults(self, scheduled: list[ScheduledSequence]):
+        """Yield (piece, (tokens, logprobs, seqs)) for the step, or (piece, exception) for the
+        requests a failure could be pinned on. A step that raises is run again in halves, down to
+        single requests: only the request(s) that fail alone are lost, nothing else (recomputing
+        a piece rewrites the same KV slots, and nothing advances until a piece succeeds)."""
+        if not scheduled:
+            return
+        try:
+            logits, sample_seqs = self.runner.execute(SchedulerOutput(scheduled=scheduled))
+            tokens, logprobs = self.sampler(logits, sample_seqs)
+        except Exception as exc:  # noqa: BLE001 - a request's fault must not fail the others
+            if len(scheduled) == 1:
+                yield scheduled, exc
+                return
+            if not self._isolating:
+                log.warning("engine step over %d requests failed (%r); isolating the request(s) at fault",
+                            len(scheduled), exc)
+            self._isolating = True
+            try:
+                half = len(scheduled) // 2
+                yield from self._run_isolating_faults(scheduled[:half])
+                yield from self._run_isolating_faults(scheduled[half:])
+            finally:
+                self._isolating = False
+            return
+        yield scheduled, (tokens, logprobs, sample_seqs)
+
+    def _fail(self, piece: list[ScheduledSequence], exc: Exception) -> int:
+        """Finish the request whose step fails on its own with finish_reason "error"."""
+        for s in piece:
+            log.warning("request %s failed in the engine step and is finished with an error: %r",
+                        s.seq.request_id, exc)
+            self.scheduler.finish(s.seq, "error", f"engine step failed for this request: {exc!r}")
+            self._on_finished(s.seq)
+        return len(piece)
 
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> int:
         if not seq.stats.first_token_ts:
@@ -198,6 +273,7 @@ class LLMEngine:
     def _on_finished(self, seq: Sequence) -> None:
         seq.stats.finished_ts = time.time()
         self._seqs.pop(seq.request_id, None)
+        self.runner.release(seq)
         self.sampler.release(seq)
         self._finished.append(self._output(seq))
         self._detoks.pop(seq.seq_index, None)
@@ -246,10 +322,25 @@ class LLMEngine:
             logger(stats)
 
 
+def _available_ram() -> int:
+    """MemAvailable from /proc/meminfo (bytes); the physical memory where that file is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _build_model(args: ModelArgs, weights: dict[str, torch.Tensor], config: EngineConfig) -> Transformer:
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"--device {config.device}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise RuntimeError(f"--device {config.device}: this machine has {torch.cuda.device_count()} CUDA "
+                           "device(s)")
     with torch.device("meta"):
         model = Transformer(args)
     model = model.to_empty(device=device).to(DTYPES[config.dtype])

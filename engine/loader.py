@@ -523,22 +523,27 @@ TINY_RANDOM_CONFIG = {
 }
 
 
-def tiny_random_checkpoint(seed: int = 0) -> Checkpoint:
-    """A 2-layer Llama with normal(0, 0.02) weights (norms = 1) and the ByteTokenizer.
-
-    Weights come from a private generator seeded with `seed` (the global torch RNG is left
-    alone), filled in `expected_shapes` order, so every call returns the same tensors.
-    """
-    config = dict(TINY_RANDOM_CONFIG)
-    generator = torch.Generator().manual_seed(seed)
+def random_weights(config: dict, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of a Llama with this config: normal(0, 0.02), norms = 1, from a private generator
+    seeded with `seed` (the global torch RNG is left alone), filled in `expected_shapes` order on
+    `device`, so every call returns the same tensors. Benchmarks build GPU-sized models this way
+    without downloading anything."""
+    generator = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, shape in expected_shapes(config).items():
         if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape)
+            weights[name] = torch.ones(shape, dtype=dtype, device=device)
         else:
-            weights[name] = torch.empty(shape).normal_(0.0, 0.02, generator=generator)
+            values = torch.empty(shape, device=device).normal_(0.0, 0.02, generator=generator)
+            weights[name] = values.to(dtype)
+    return weights
+
+
+def tiny_random_checkpoint(seed: int = 0) -> Checkpoint:
+    """A 2-layer Llama with random_weights (normal(0, 0.02), norms = 1) and the ByteTokenizer."""
+    config = dict(TINY_RANDOM_CONFIG)
     generation_config = {"bos_token_id": ByteTokenizer.BOS, "eos_token_id": [ByteTokenizer.EOS],
                          "pad_token_id": ByteTokenizer.PAD}
-    return Checkpoint(config=config, weights=weights, tokenizer=ByteTokenizer(),
+    return Checkpoint(config=config, weights=random_weights(config, seed), tokenizer=ByteTokenizer(),
                       generation_config=generation_config, source="tiny-random")
-

@@ -1,18 +1,40 @@
 """The only place sequences become tensors: it builds each step's flat batch, owns the paged KV
-cache, runs the model and returns logits for the sequences that sample this step."""
+cache, runs the model and returns logits for the sequences that sample this step.
+
+A step costs the host one sync. Its inputs (token ids, positions, KV slots, context lengths, query
+offsets, block-table rows, sampled rows) are written into one pinned host buffer and uploaded with
+one asynchronous copy; block tables live on the device, one persistent row per running sequence,
+and change only where a sequence gained blocks (uploaded as a short list of updates). The sampled
+tokens come back in the step's one device -> host copy (engine/staging.py).
+
+Decode-only steps (every sequence one query token) run padded to a batch-size bucket over static
+input buffers: on CUDA each bucket is a CUDA graph captured at start (one replay instead of ~11
+kernel launches per layer), elsewhere the same padded inputs go through a plain call.
+`enforce_eager=True` runs every step unpadded, as mixed steps always are.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import math
+import mmap
 import os
 import sys
+import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.model import ModelArgs, Transformer
-from engine.scheduler import SchedulerOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
-from kernels.metadata import build_attention_metadata
+from engine.staging import Staging
+from kernels.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -42,55 +64,313 @@ def keep_freed_memory_mapped() -> bool:
     return bool(mmap_ok) and bool(libc.mallopt(m_trim_threshold, (1 << 31) - 1))
 
 
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that get a graph: 1, 2, 4, 8, then every 8 up to max_num_seqs (vLLM's)."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+@dataclass
+class _Layout:
+    """Where each input of a step sits in the staged int64 buffer: per-sequence regions first, then
+    per-token ones. It depends on (T, S, sampled) only, so a decode bucket's layout is fixed."""
+
+    num_tokens: int
+    num_seqs: int
+    num_sampled: int
+
+    @property
+    def size(self) -> int:
+        return 3 * self.num_tokens + 3 * self.num_seqs + 1 + self.num_sampled
+
+    def slices(self) -> dict[str, slice]:
+        t, s = self.num_tokens, self.num_seqs
+        bounds = [("context_lens", s), ("query_start_loc", s + 1), ("rows", s),
+                  ("sample", self.num_sampled), ("input_ids", t), ("positions", t), ("slots", t)]
+        out, at = {}, 0
+        for name, n in bounds:
+            out[name] = slice(at, at + n)
+            at += n
+        return out
+
+
 class ModelRunner:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, max_model_len: int) -> None:
+    def __init__(self, model: Transformer, block_size: int, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, enforce_eager: bool = False) -> None:
         self.model = model
         self.args = model.args
         self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         w = model.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
-        if self.device.type == "cpu":
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # Triton launches on the current device
+        else:
             keep_freed_memory_mapped()
             model.pack_weights()  # oneDNN's packed fp32 GEMMs: ~2x MKL's on AMD (kernels/cpu_gemm.py)
-        shape = (num_blocks, block_size, self.args.n_kv_heads, self.args.head_dim)  # (N, B, Hkv, D)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.args.n_layers)
-        ]
         model.init_rope(max_model_len)
+        self.enforce_eager = enforce_eager
+        self.buckets = [] if enforce_eager else graph_buckets(min(max_num_seqs, max_num_batched_tokens))
+        self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.staging = Staging(self.device)
+        self.staging.buffer("step", 3 * self.max_tokens + 4 * max_num_seqs + 1, torch.int64)  # never grows
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # one row per running sequence; the last row stays all zeros for the padding of decode buckets
+        self.block_tables = torch.zeros((max_num_seqs + 1, self.max_blocks_per_seq), dtype=torch.int32,
+                                        device=self.device)
+        self._pad_row = max_num_seqs
+        self._row_of: dict[int, int] = {}  # seq_index -> its block-table row
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._uploaded: dict[int, int] = {}  # seq_index -> blocks of its table already on the device
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_capture_s = 0.0
 
+    # -- KV cache and graphs (called once by the engine, in this order)
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """K and V caches (num_blocks, block_size, Hkv, D) per layer, zeroed. On the CPU they are views
+        of one anonymous mapping: zero pages that take memory only once a block is written, so a
+        generous KV budget costs RAM only as far as sequences really fill it."""
+        shape = (num_blocks, self.block_size, self.args.n_kv_heads, self.args.head_dim)  # (N, B, Hkv, D)
+        count = 2 * self.args.n_layers
+        if self.device.type == "cpu":
+            flat = _zero_pages(count * math.prod(shape), self.dtype).view(count, *shape)
+        else:
+            flat = torch.zeros((count, *shape), dtype=self.dtype, device=self.device)
+        self.kv_caches = [(flat[2 * i], flat[2 * i + 1]) for i in range(self.args.n_layers)]
+
+    @torch.inference_mode()
+    def profile_kv_budget(self, utilization: float, sampler) -> tuple[int, str]:
+        """CUDA: bytes left for the KV cache after a profile step at the full token budget.
+
+        The step runs max_num_batched_tokens prompt tokens over up to max_num_seqs sequences (with a
+        small scratch KV cache) and samples every sequence with top-p, so the peak holds the largest
+        activations and sampler temporaries a real step makes. The budget is
+        utilization x total memory - that peak - memory outside torch (context, other processes)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        seqs = self._profile_sequences()
+        scratch_blocks = sum(len(s.seq.block_table) for s in seqs)
+        self.allocate_kv_cache(scratch_blocks)
+        try:
+            logits, sample_seqs = self.execute(SchedulerOutput(scheduled=seqs))
+            sampler(logits, sample_seqs)
+            torch.cuda.synchronize(self.device)
+        finally:
+            for s in seqs:
+                self.release(s.seq)
+                sampler.release(s.seq)
+            self.kv_caches = []
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * utilization) - peak - outside
+        gib = 1 << 30
+        return budget, (f"gpu_memory_utilization {utilization:g} of {total / gib:.1f} GiB, minus a "
+                        f"{peak / gib:.2f} GiB peak of weights and activations and {outside / gib:.2f} GiB "
+                        "outside torch")
+
+    def _profile_sequences(self) -> list[ScheduledSequence]:
+        """Dummy prompts filling the token budget over up to max_num_seqs sequences, each with its
+        own scratch blocks, scheduled whole (for the profile step)."""
+        tokens = min(self.max_tokens, self.max_num_seqs * (self.max_model_len - 1))
+        num_seqs = max(1, min(self.max_num_seqs, tokens))
+        lens = [tokens // num_seqs + (i < tokens % num_seqs) for i in range(num_seqs)]
+        pieces, next_block = [], 0
+        for i, n in enumerate(lens):
+            seq = Sequence(f"profile-{i}", [0] * n, SamplingParams(max_tokens=1, temperature=1.0, top_p=0.9))
+            blocks = -(-n // self.block_size)
+            seq.block_table = list(range(next_block, next_block + blocks))
+            next_block += blocks
+            pieces.append(ScheduledSequence(seq, n, False))
+        return pieces
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture one CUDA graph per decode bucket, largest first, sharing one memory pool."""
+        if self.device.type != "cuda" or not self.buckets:
+            return
+        t0 = time.perf_counter()
+        pool = None
+        for size in sorted(self.buckets, reverse=True):
+            self._stage_padding(size)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm up: Triton compiles outside the capture
+                for _ in range(2):
+                    self._decode_forward(size, [1] * size)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._decode_forward(size, [1] * size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+        self.graph_capture_s = time.perf_counter() - t0
+        log.info("captured %d CUDA graphs (decode batch sizes %s..%s) in %.1f s", len(self.graphs),
+                 min(self.graphs), max(self.graphs), self.graph_capture_s)
+
+    def _stage_padding(self, size: int) -> None:
+        """Fill the staged inputs of a decode bucket with padding only (for warm-up and capture)."""
+        layout = _Layout(size, size, size)
+        buf = self.staging.buffer("step", layout.size, torch.int64)
+        self._pad(buf, layout.slices(), 0, size)
+        self.staging.upload("step", layout.size)
+
+    # -- sequences leaving the running set
+    def release(self, seq: Sequence) -> None:
+        """Give back a finished or preempted sequence's block-table row."""
+        row = self._row_of.pop(seq.seq_index, None)
+        if row is not None:
+            self._uploaded.pop(seq.seq_index, None)
+            self._free_rows.append(row)
+
+    # -- one step
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one iteration batch; return logits (S, V) for the sequences that catch up, and them."""
-        input_ids, positions, meta, sample_rows, sample_seqs = self.prepare(sched)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, dim)
+        ordered = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: q_len 1 first
+        self._update_block_tables([s.seq for s in ordered])
+        num_tokens = sum(s.num_new_tokens for s in ordered)
+        if self.buckets and len(ordered) <= self.buckets[-1] and all(map(_samples_one_token, ordered)):
+            return self._execute_decode(ordered)
+        return self._execute_eager(ordered, num_tokens)
+
+    def _execute_eager(self, ordered, num_tokens: int) -> tuple[torch.Tensor, list[Sequence]]:
+        sample_seqs = [s.seq for s in ordered if _catches_up(s)]
+        layout = _Layout(num_tokens, len(ordered), len(sample_seqs))
+        query_lens, context_lens = self._stage(ordered, layout)
+        meta, inputs = self._inputs(layout, query_lens, context_lens)
+        hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, meta)  # (T, dim)
         if not sample_seqs:
             return hidden.new_empty((0, self.args.vocab_size)), []
-        logits = self.model.compute_logits(hidden[sample_rows])  # (S_sample, V)
-        return logits, sample_seqs
+        return self.model.compute_logits(hidden.index_select(0, inputs["sample"])), sample_seqs
 
-    def prepare(self, sched: SchedulerOutput):
-        """Flatten the scheduled pieces, decodes first: token ids, positions, attention metadata and
-        the rows whose hidden state is a sequence's last computed token (those sample)."""
-        ordered = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: q_len 1 first
-        ids: list[int] = []
-        positions: list[int] = []
-        query_lens, context_lens, tables = [], [], []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
+    def _execute_decode(self, ordered) -> tuple[torch.Tensor, list[Sequence]]:
+        """A decode-only step, padded to its bucket: a graph replay on CUDA, a plain call elsewhere."""
+        num_seqs = len(ordered)
+        size = next(b for b in self.buckets if b >= num_seqs)
+        layout = _Layout(size, size, size)
+        slices = layout.slices()
+        buf = self.staging.buffer("step", layout.size, torch.int64)
+        _, context_lens = self._fill(buf, slices, ordered, sample_rows=False)
+        self._pad(buf, slices, num_seqs, size)
+        self.staging.upload("step", layout.size)
+        if size in self.graphs:
+            graph, logits = self.graphs[size]
+            graph.replay()
+        else:
+            logits = self._decode_forward(size, context_lens + [1] * (size - num_seqs))
+        return logits[:num_seqs], [s.seq for s in ordered]
+
+    def _decode_forward(self, size: int, context_lens: list[int]) -> torch.Tensor:
+        """Model + logits over a decode bucket's static inputs (what a CUDA graph captures)."""
+        layout = _Layout(size, size, size)
+        meta, inputs = self._inputs(layout, [1] * size, context_lens)
+        hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+    # -- inputs
+    def _stage(self, ordered, layout: _Layout) -> tuple[list[int], list[int]]:
+        buf = self.staging.buffer("step", layout.size, torch.int64)
+        query_lens, context_lens = self._fill(buf, layout.slices(), ordered, sample_rows=True)
+        self.staging.upload("step", layout.size)
+        return query_lens, context_lens
+
+    def _fill(self, buf: np.ndarray, slices: dict[str, slice], ordered, sample_rows: bool
+              ) -> tuple[list[int], list[int]]:
+        """Write the step's token ids, positions, slots, lengths and rows into the host buffer."""
+        ids, pos, slots = buf[slices["input_ids"]], buf[slices["positions"]], buf[slices["slots"]]
+        query_lens, context_lens, sampled = [], [], []
+        at = 0
         for s in ordered:
             seq, n = s.seq, s.num_new_tokens
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            ids[at:at + n] = seq.token_ids[start:end]
+            positions = np.arange(start, end)
+            pos[at:at + n] = positions
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            bs = self.block_size
+            slots[at:at + n] = table[positions // bs] * bs + positions % bs
+            at += n
             query_lens.append(n)
             context_lens.append(end)
-            tables.append(seq.block_table)
-            if end == seq.num_tokens:
-                sample_rows.append(len(ids) - 1)
-                sample_seqs.append(seq)
-        meta = build_attention_metadata(query_lens, context_lens, tables, self.block_size, self.device)
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return input_ids, pos, meta, sample_rows, sample_seqs
+            if sample_rows and _catches_up(s):
+                sampled.append(at - 1)
+        buf[slices["context_lens"]][: len(ordered)] = context_lens
+        buf[slices["query_start_loc"]][: len(ordered) + 1] = np.concatenate([[0], np.cumsum(query_lens)])
+        buf[slices["rows"]][: len(ordered)] = [self._row_of[s.seq.seq_index] for s in ordered]
+        if sample_rows:
+            buf[slices["sample"]] = sampled
+        return query_lens, context_lens
+
+    def _pad(self, buf: np.ndarray, slices: dict[str, slice], start: int, size: int) -> None:
+        """Padding sequences start..size-1 of a decode bucket: one token at position 0 that stores
+        nothing (slot -1) and attends to one key of the all-zeros padding row; never sampled."""
+        pad = slice(start, size)
+        buf[slices["input_ids"]][pad] = 0
+        buf[slices["positions"]][pad] = 0
+        buf[slices["slots"]][pad] = -1
+        buf[slices["context_lens"]][pad] = 1
+        buf[slices["rows"]][pad] = self._pad_row
+        buf[slices["query_start_loc"]][start + 1: size + 1] = np.arange(start + 1, size + 1)
+
+    def _inputs(self, layout: _Layout, query_lens: list[int], context_lens: list[int]
+                ) -> tuple[AttentionMetadata, dict[str, torch.Tensor]]:
+        """Device views of the staged step and its attention metadata (all device-side work: when a
+        graph captures this, replays recompute it from the static buffer)."""
+        dev = self.staging.device_buffer("step")
+        views = {name: dev[sl] for name, sl in layout.slices().items()}
+        rows = views["rows"]
+        num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+        meta = AttentionMetadata(
+            slot_mapping=views["slots"],
+            query_start_loc=views["query_start_loc"].to(torch.int32),
+            context_lens=views["context_lens"].to(torch.int32),
+            block_tables=self.block_tables.index_select(0, rows),
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            max_query_len=max(query_lens, default=0),
+            max_context_len=max(context_lens, default=0),
+            query_lens_cpu=list(query_lens),
+            context_lens_cpu=list(context_lens),
+        )
+        return meta, views
+
+    def _update_block_tables(self, seqs: list[Sequence]) -> None:
+        """Give new sequences a row, and upload the block ids each sequence gained since last time."""
+        rows, cols, blocks = [], [], []
+        for seq in seqs:
+            row = self._row_of.get(seq.seq_index)
+            if row is None:
+                row = self._row_of[seq.seq_index] = self._free_rows.pop()
+                self._uploaded[seq.seq_index] = 0
+            done, table = self._uploaded[seq.seq_index], seq.block_table
+            if len(table) > done:
+                rows += [row] * (len(table) - done)
+                cols += range(done, len(table))
+                blocks += table[done:]
+                self._uploaded[seq.seq_index] = len(table)
+        if rows:
+            update = self.staging.put("block_table_updates", [rows, cols, blocks], torch.int64).view(3, -1)
+            self.block_tables[update[0], update[1]] = update[2].to(torch.int32)
+
+
+def _catches_up(s) -> bool:
+    """Whether a scheduled piece computes its sequence's last token (so the step samples for it)."""
+    return s.seq.num_computed_tokens + s.num_new_tokens == s.seq.num_tokens
+
+
+def _samples_one_token(s) -> bool:
+    """A decode-bucket row: one query token, which is the sequence's last."""
+    return s.num_new_tokens == 1 and _catches_up(s)
+
+
+def _zero_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on its own anonymous mapping: the kernel hands out zero pages on first
+    touch, so untouched parts cost no RAM. The tensor keeps the mapping alive."""
+    nbytes = max(numel * torch.empty(0, dtype=dtype).element_size(), 1)
+    buf = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buf, dtype=dtype, count=numel)

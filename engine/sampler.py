@@ -1,90 +1,212 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, top-N logprobs.
+"""Token sampling on the logits' device: greedy, penalties, temperature, min-p, top-k, top-p,
+per-request seeds, top-N logprobs; one device -> host copy per step.
 
-Each sequence draws from its own torch.Generator, seeded by its request's seed (or by the engine
-seed and its admission index), so a seeded request gives the same text whatever else shares its
-iteration batch. Greedy rows never touch a generator or a softmax.
+Every row draws with one uniform number per token, computed on the host from (seed, index of the
+token being drawn) by a counter-based hash: a seeded request gives the same text whatever else
+shares its iteration batch, on any step it runs, preempted or not. A request without a seed gets
+one from the engine seed and its admission index. The draw is an inverse-CDF lookup in the
+filtered distribution (`searchsorted` over the cumulative probabilities), vectorised over rows:
+no per-row loop, no host sync until the step's tokens (and logprobs) come back in one copy.
+
+Order of processing, as in vLLM: penalties on the raw logits, temperature, min-p, top-k, top-p.
+Logprobs are the model's own distribution (raw logits, before any of these).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from engine.sequence import Sequence
+from engine.staging import Staging
+
+_MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic): a well-mixed 64-bit hash."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """One uniform in [0, 1) per row from uint64 seeds and token indices (float64, 53 bits)."""
+    x = splitmix64(seeds ^ splitmix64(counters.astype(np.uint64)))
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+@dataclass
+class _Rows:
+    """Host-side per-row parameters of one step (numpy, one entry per sampled sequence)."""
+
+    greedy: np.ndarray  # bool
+    temperature: np.ndarray  # float32, 1 for greedy rows
+    top_k: np.ndarray  # int64, 0 = off
+    top_p: np.ndarray  # float32, 1 = off
+    min_p: np.ndarray  # float32, 0 = off
+    u: np.ndarray  # float64 uniforms
+    logprobs: np.ndarray  # int64 top-N per row, -1 = not asked
 
 
 class Sampler:
-    def __init__(self, engine_seed: int = 0) -> None:
+    def __init__(self, engine_seed: int = 0, staging: Staging | None = None) -> None:
         self.engine_seed = engine_seed
-        self._generators: dict[int, torch.Generator] = {}  # seq_index -> its generator
+        self.staging = staging
+        self._seeds: dict[int, int] = {}  # seq_index -> its seed (uint64)
 
     def release(self, seq: Sequence) -> None:
-        self._generators.pop(seq.seq_index, None)
+        self._seeds.pop(seq.seq_index, None)
+
+    def _seed(self, seq: Sequence) -> int:
+        seed = self._seeds.get(seq.seq_index)
+        if seed is None:
+            seed = seq.params.seed
+            if seed is None:
+                seed = hash((self.engine_seed, seq.seq_index))
+            seed &= _MASK64
+            self._seeds[seq.seq_index] = seed
+        return seed
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits (S, V) float32 for `seqs` -> one token id per row, and its logprobs when asked."""
+        staging = self.staging or Staging(logits.device)
         params = [s.params for s in seqs]
-        if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, seqs)
-        token_list = tokens.tolist()
-        logprobs: list[dict[int, float] | None] = [None] * len(seqs)
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if want:
-            for i, lp in zip(want, _top_logprobs(logits[want], tokens[want], params, want), strict=True):
-                logprobs[i] = lp
-        return token_list, logprobs
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        simple = all(p.greedy and p.logprobs is None and not p.has_penalties for p in params)
+        if simple:  # the common batch case: an argmax and one copy
+            return staging.fetch(logits.argmax(dim=-1)).tolist(), [None] * len(seqs)
+        rows = self._rows(seqs)
+        raw = logits
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(logits, seqs, staging)
         tokens = logits.argmax(dim=-1)
-        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        probs = _filtered_probs(logits[rows], [seqs[i].params for i in rows])  # (R, V)
-        for r, i in enumerate(rows):
-            gen = self._generator(seqs[i])
-            tokens[i] = torch.multinomial(probs[r], 1, generator=gen)[0]
-        return tokens
+        sampled = np.flatnonzero(~rows.greedy)
+        if sampled.size:
+            index = staging.put("sample_rows", sampled, torch.int64)
+            drawn = sample_rows(logits.index_select(0, index), rows, sampled, staging)
+            tokens = tokens.index_copy(0, index, drawn)
+        want = np.flatnonzero(rows.logprobs >= 0)
+        if not want.size:
+            return staging.fetch(tokens).tolist(), [None] * len(seqs)
+        packed = torch.cat([tokens.double(), top_logprobs(raw, tokens, want, rows, staging)])
+        host = staging.fetch(packed)
+        return _unpack(host, len(seqs), want, rows.logprobs)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        gen = self._generators.get(seq.seq_index)
-        if gen is None:
-            seed = seq.params.seed
-            if seed is None:
-                seed = hash((self.engine_seed, seq.seq_index)) & 0x7FFF_FFFF_FFFF_FFFF
-            gen = torch.Generator(device="cpu").manual_seed(seed)
-            self._generators[seq.seq_index] = gen
-        return gen
-
-
-def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
-    """Temperature, then top-k, then top-p, row by row in one batch; returns probabilities (R, V)."""
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
-    logits = logits / temps.unsqueeze(1)
-    top_ks = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
-    top_ps = [p.top_p for p in params]
-    if min(top_ks) < logits.shape[1] or min(top_ps) < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
-        k = torch.tensor(top_ks, device=logits.device).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
-        sorted_probs = sorted_logits.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        p = torch.tensor(top_ps, dtype=logits.dtype, device=logits.device).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))  # keeps the top token
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    return logits.softmax(dim=-1).cpu()
+    def _rows(self, seqs: list[Sequence]) -> _Rows:
+        params = [s.params for s in seqs]
+        greedy = np.array([p.greedy for p in params], dtype=bool)
+        seeds = np.array([self._seed(s) for s in seqs], dtype=np.uint64)
+        counters = np.array([s.num_output_tokens for s in seqs], dtype=np.uint64)
+        return _Rows(
+            greedy=greedy,
+            temperature=np.array([1.0 if p.greedy else p.temperature for p in params], dtype=np.float32),
+            top_k=np.array([max(p.top_k, 0) for p in params], dtype=np.int64),
+            top_p=np.array([p.top_p for p in params], dtype=np.float32),
+            min_p=np.array([p.min_p for p in params], dtype=np.float32),
+            u=uniforms(seeds, counters),
+            logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64),
+        )
 
 
-def _top_logprobs(logits, tokens, params, rows) -> list[dict[int, float]]:
-    """Top-N logprobs of the model's distribution (before temperature), plus the chosen token."""
-    logp = logits.log_softmax(dim=-1)
-    n = max(params[i].logprobs for i in rows)
-    top_v, top_i = logp.topk(max(n, 1), dim=-1)
-    chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-    out = []
-    for r, i in enumerate(rows):
-        k = params[i].logprobs
-        entry = dict(zip(top_i[r, :k].tolist(), top_v[r, :k].tolist(), strict=True))
-        entry[int(tokens[r])] = chosen[r]
-        out.append(entry)
-    return out
+def sample_rows(logits: torch.Tensor, rows: _Rows, sampled: np.ndarray, staging: Staging) -> torch.Tensor:
+    """Draw one token per row of logits (R, V), the rows `sampled` of the step."""
+    vocab = logits.shape[1]
+    temp = staging.put("temperature", rows.temperature[sampled], torch.float32)
+    logits = logits / temp.unsqueeze(1)
+    min_p = rows.min_p[sampled]
+    if (min_p > 0).any():  # keep p >= min_p * p_max, i.e. logit >= max logit + log(min_p)
+        log_min_p = staging.put("log_min_p", np.log(np.maximum(min_p, 1e-30)) * (min_p > 0)
+                                - 1e30 * (min_p <= 0), torch.float32)
+        floor = logits.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
+    top_k, top_p = rows.top_k[sampled], rows.top_p[sampled]
+    u = staging.put("uniforms", rows.u[sampled], torch.float64)
+    filtered = (top_k > 0) | (top_p < 1.0)
+    if not filtered.any():
+        return _inverse_cdf(logits, u)
+    # rows cut by top-k or top-p draw from their candidates in descending order: top-k rows from
+    # the k_max largest (a partial sort), the others from a full sort
+    k_max = int(top_k.max()) if (top_k > 0).all() else vocab
+    values, order = (logits.topk(min(k_max, vocab), dim=-1) if k_max < vocab
+                     else logits.sort(dim=-1, descending=True))
+    k = staging.put("top_k", np.where(top_k > 0, top_k, vocab), torch.int64)
+    p = staging.put("top_p", top_p, torch.float32)
+    ranks = torch.arange(values.shape[1], device=values.device)
+    values = values.masked_fill(ranks >= k.unsqueeze(1), float("-inf"))
+    probs = values.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    values = values.masked_fill(mass_before >= p.unsqueeze(1), float("-inf"))  # keeps the top token
+    return order.gather(1, _inverse_cdf(values, u).unsqueeze(1)).squeeze(1)
+
+
+def _inverse_cdf(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index per row where the cumulative probability first exceeds u * total (-inf logits never)."""
+    cdf = logits.softmax(dim=-1).cumsum(dim=-1)  # (R, V)
+    target = (u.unsqueeze(1) * cdf[:, -1:].double()).to(cdf.dtype)
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return picked.clamp_(max=logits.shape[1] - 1)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], staging: Staging) -> torch.Tensor:
+    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties,
+    with vLLM's / OpenAI's rules, for the rows that ask for them; other rows are untouched."""
+    rows = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+    vocab = logits.shape[1]
+    out_counts = _token_counts([seqs[i].output_token_ids for i in rows], vocab, logits.device, staging, "out")
+    in_prompt = _token_counts([seqs[i].prompt_token_ids for i in rows], vocab, logits.device, staging,
+                              "prompt") > 0
+    params = np.array([[seqs[i].params.repetition_penalty, seqs[i].params.frequency_penalty,
+                        seqs[i].params.presence_penalty] for i in rows], dtype=np.float32)
+    rep, freq, pres = staging.put("penalties", params, torch.float32).view(-1, 3).unbind(1)
+    index = staging.put("penalty_rows", rows, torch.int64)
+    sub = logits.index_select(0, index)
+    seen = in_prompt | (out_counts > 0)
+    rep = rep.unsqueeze(1)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - freq.unsqueeze(1) * out_counts - pres.unsqueeze(1) * (out_counts > 0)
+    return logits.index_copy(0, index, sub)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device, staging: Staging,
+                  name: str) -> torch.Tensor:
+    """(R, V) float32 occurrences of each token id in each row's list, built on the device."""
+    width = max((len(t) for t in token_lists), default=0) + 1
+    padded = np.full((len(token_lists), width), vocab, dtype=np.int64)  # id `vocab`: padding
+    for r, tokens in enumerate(token_lists):
+        padded[r, : len(tokens)] = tokens
+    ids = staging.put(f"{name}_tokens", padded, torch.int64).view(len(token_lists), width)
+    counts = torch.zeros((len(token_lists), vocab + 1), dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def top_logprobs(raw: torch.Tensor, tokens: torch.Tensor, want: np.ndarray, rows: _Rows,
+                 staging: Staging) -> torch.Tensor:
+    """Flat float64 [chosen logprob (R) | top-N values (R x N) | top-N ids (R x N)] for rows `want`."""
+    n = max(int(rows.logprobs[want].max()), 1)
+    index = staging.put("logprob_rows", want, torch.int64)
+    logp = raw.index_select(0, index).log_softmax(dim=-1)
+    top_v, top_i = logp.topk(n, dim=-1)
+    chosen = logp.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1)
+    return torch.cat([chosen.double(), top_v.double().flatten(), top_i.double().flatten()])
+
+
+def _unpack(host: np.ndarray, num_rows: int, want: np.ndarray, asked: np.ndarray
+            ) -> tuple[list[int], list[dict[int, float] | None]]:
+    tokens = host[:num_rows].astype(np.int64).tolist()
+    r = len(want)
+    n = (len(host) - num_rows - r) // (2 * r)
+    chosen = host[num_rows: num_rows + r].tolist()
+    top_v = host[num_rows + r: num_rows + r + r * n].reshape(r, n)
+    top_i = host[num_rows + r + r * n:].reshape(r, n).astype(np.int64)
+    out: list[dict[int, float] | None] = [None] * num_rows
+    for j, i in enumerate(want.tolist()):
+        k = int(asked[i])
+        entry = dict(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist(), strict=True))
+        entry[tokens[i]] = chosen[j]
+        out[i] = entry
+    return tokens, out

@@ -20,11 +20,12 @@ def _paged_decode_kernel(
     v_cache_ptr,  # (num_blocks, block_size, Hkv, D) contiguous value cache
     block_tables_ptr,  # (S, max_blocks_per_seq) int32 block ids per sequence
     context_lens_ptr,  # (S,) int32 cached tokens per sequence
-    out_ptr,  # (S, Hq, D) contiguous; written when NUM_SPLITS == 1
+    out_ptr,  # (S, Hq, D) output rows, head dim contiguous; written when NUM_SPLITS == 1
     partial_out_ptr,  # (S, Hq, NUM_SPLITS, D) fp32 per-split normalised outputs; NUM_SPLITS > 1
     partial_lse_ptr,  # (S, Hq, NUM_SPLITS) fp32 per-split log2-sum-exp2; NUM_SPLITS > 1
     q_seq_stride,
     q_head_stride,
+    out_seq_stride,
     block_table_stride,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     num_kv_heads,
@@ -33,13 +34,15 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
     BLOCK_N: tl.constexpr,  # keys per loop step
-    PARTITION: tl.constexpr,  # context tokens per split (a multiple of BLOCK_N)
-    NUM_SPLITS: tl.constexpr,
-    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs, "tf32" for 16-bit ones
+    NUM_SPLITS: tl.constexpr,  # programs sharing one sequence's context (flash-decoding)
+    FP32: tl.constexpr,  # fp32 operands ("ieee" dots); otherwise 16-bit operands, fp32 accumulation
 ):
-    """Program (s, h, p): the GROUP query heads of KV head h of sequence s over context positions
-    [p*PARTITION, (p+1)*PARTITION) ∩ [0, context_lens[s]).
+    """Program (s, h, p): the GROUP query heads of KV head h of sequence s over split p of its
+    context: [p*P, (p+1)*P) with P = cdiv(cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N.
 
+    The split length comes from the sequence's own context length, read from memory, so nothing
+    host-side depends on how long contexts are: one compiled kernel per NUM_SPLITS serves every
+    length, and a CUDA graph captured once stays valid as contexts grow.
     Online softmax in fp32 with running row max m and row sum l: per key tile, m' = max(m, max_j s_j),
     l = l*2^(m-m') + sum_j 2^(s_j-m'), acc = acc*2^(m-m') + sum_j 2^(s_j-m') v_j, where
     s_j = q.k_j * scale * log2(e); out = acc / l. With several splits each writes acc/l and
@@ -54,13 +57,16 @@ def _paged_decode_kernel(
     heads = kv_head * GROUP + g  # (BLOCK_G,) query heads of this KV head
     row_mask = (g < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]  # (BLOCK_G, D)
     q_ptrs = q_ptr + seq * q_seq_stride + heads[:, None] * q_head_stride + dims[None, :]
-    q = tl.load(q_ptrs, mask=row_mask, other=0.0).to(tl.float32)  # (BLOCK_G, D)
+    q = tl.load(q_ptrs, mask=row_mask, other=0.0)  # (BLOCK_G, D)
+    if FP32:
+        q = q.to(tl.float32)
 
     row_max = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, HEAD_DIM), tl.float32)
-    start = split * PARTITION
-    end = tl.minimum(ctx_len, start + PARTITION)
+    part = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * part
+    end = tl.minimum(ctx_len, start + part)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
         key_ok = pos < end
@@ -68,22 +74,28 @@ def _paged_decode_kernel(
         slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         kv_offs = (slot * num_kv_heads + kv_head)[:, None] * HEAD_DIM + dims[None, :]  # (BLOCK_N, D)
         kv_mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N)
-        scores = tl.where(key_ok[None, :], scores, float("-inf"))
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        if FP32:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q.to(k.dtype), tl.trans(k))  # 16-bit operands, fp32 accumulation
+        scores = tl.where(key_ok[None, :], scores * qk_scale, float("-inf"))  # (BLOCK_G, BLOCK_N)
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         alpha = tl.exp2(row_max - new_max)
         p = tl.exp2(scores - new_max[:, None])
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        if FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         row_max = new_max
 
     row_sum = tl.where(row_sum == 0.0, 1.0, row_sum)  # an empty split (start >= ctx_len) writes zeros
     out = acc / row_sum[:, None]
     num_q_heads = num_kv_heads * GROUP
     if NUM_SPLITS == 1:
-        out_ptrs = out_ptr + (seq * num_q_heads + heads[:, None]) * HEAD_DIM + dims[None, :]
+        out_ptrs = out_ptr + seq * out_seq_stride + heads[:, None] * HEAD_DIM + dims[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
         row = (seq * num_q_heads + heads) * NUM_SPLITS + split  # (BLOCK_G,)
@@ -96,22 +108,41 @@ def _paged_decode_kernel(
 def _reduce_splits_kernel(
     partial_out_ptr,  # (S, Hq, NUM_SPLITS, D) fp32 per-split normalised outputs
     partial_lse_ptr,  # (S, Hq, NUM_SPLITS) fp32 per-split log2-sum-exp2 (-inf for empty splits)
-    out_ptr,  # (S, Hq, D) contiguous output
+    out_ptr,  # (S, Hq, D) output rows, head dim contiguous
+    out_seq_stride,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
 ):
-    """Program (s, h) merges the splits: w_p = 2^(lse_p - max lse), out = sum w_p out_p / sum w_p."""
-    row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)  # s * Hq + h
+    """Program (s, h) merges the splits: w_p = 2^(lse_p - max lse), out = sum w_p out_p / sum w_p.
+    A sequence with an empty context (every split empty) gets zeros."""
+    seq = tl.program_id(0).to(tl.int64)
+    row = seq * tl.num_programs(1) + tl.program_id(1)  # s * Hq + h
     splits = tl.arange(0, BLOCK_SPLITS)
     dims = tl.arange(0, HEAD_DIM)
     lse = tl.load(partial_lse_ptr + row * NUM_SPLITS + splits, mask=splits < NUM_SPLITS, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, axis=0))  # (BLOCK_SPLITS,); split 0 is never empty
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weights = tl.exp2(lse - top)  # (BLOCK_SPLITS,); 0 for empty splits
     mask = (splits < NUM_SPLITS)[:, None] & (dims < HEAD_DIM)[None, :]
     partial_ptrs = partial_out_ptr + (row * NUM_SPLITS + splits)[:, None] * HEAD_DIM + dims[None, :]
     partial = tl.load(partial_ptrs, mask=mask, other=0.0)  # (BLOCK_SPLITS, D)
-    out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights, axis=0)
-    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+    total = tl.sum(weights, axis=0)
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    out_ptrs = out_ptr + seq * out_seq_stride + tl.program_id(1) * HEAD_DIM + dims
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+MAX_SPLITS = 16
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits per sequence so that (sequences x KV heads x splits) programs fill the GPU about four
+    times over: many for a few long sequences, one for a big batch. It depends on the batch size
+    only, never on context lengths, so it takes a handful of values (one compiled kernel each)."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    want = -(-4 * num_sms // programs)
+    return min(MAX_SPLITS, triton.next_power_of_2(want)) if want > 1 else 1
 
 
 def paged_decode_attention_triton(
@@ -120,21 +151,29 @@ def paged_decode_attention_triton(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
-    max_context_len: int,
     scale: float,
-    partition_size: int = 512,
-    block_n: int = 32,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q (S, Hq, D) -> (S, Hq, D). Contexts longer than partition_size are split across programs
-    (flash-decoding) so that small batches with long contexts still fill the GPU; a second, tiny
-    kernel merges the splits. Tile sizes and warps are chosen from sm_90 register counts
-    (`python -m kernels.compile_check`), not yet from GPU timings."""
+    """q (S, Hq, D) -> (S, Hq, D), written into `out` when given (rows with a contiguous head dim).
+
+    Each sequence's context is split across `num_splits` programs (flash-decoding; default from
+    decode_num_splits) so that small batches with long contexts still fill the GPU, and a second,
+    tiny kernel merges the splits. Tile sizes and warps come from kernels.tuning (measured on the
+    GPU when a tuned table exists for it, defaults otherwise)."""
+    from kernels import tuning
+
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    _check_attention_inputs(q, k_cache, v_cache, block_tables, partition_size)
+    _check_attention_inputs(q, k_cache, v_cache, block_tables)
     group = num_q_heads // num_kv_heads
-    num_splits = max(1, triton.cdiv(max_context_len, partition_size))
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_splits is None:
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, tuning.num_sms(q.device))
+    if not 1 <= num_splits <= 64:
+        raise ValueError(f"paged attention: num_splits must be in [1, 64], got {num_splits}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    if out.shape != q.shape or out.stride(2) != 1 or out.stride(1) != head_dim:
+        raise ValueError(f"paged attention: out must be {tuple(q.shape)} with contiguous heads")
     if num_seqs == 0:
         return out
     partial_out = partial_lse = out  # unused placeholders when there is one split
@@ -142,23 +181,23 @@ def paged_decode_attention_triton(
         partial_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                   device=q.device)
         partial_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    cfg = tuning.decode_config(q.device, head_dim, q.dtype)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse,
-        q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E, num_kv_heads,
+        q.stride(0), q.stride(1), out.stride(0), block_tables.stride(0), scale * _LOG2E, num_kv_heads,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=min(block_n, partition_size), PARTITION=partition_size,
-        NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if head_dim <= 64 else 4,
+        BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
+        FP32=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_seqs, num_q_heads)](
-            partial_out, partial_lse, out, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            partial_out, partial_lse, out, out.stride(0), HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             BLOCK_SPLITS=triton.next_power_of_2(num_splits),
         )
     return out
 
 
-def _check_attention_inputs(q, k_cache, v_cache, block_tables, partition_size: int) -> None:
+def _check_attention_inputs(q, k_cache, v_cache, block_tables) -> None:
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[3] != head_dim:
         raise ValueError(f"paged attention: caches must be (num_blocks, block_size, Hkv, {head_dim}), "
@@ -172,9 +211,6 @@ def _check_attention_inputs(q, k_cache, v_cache, block_tables, partition_size: i
     if block_tables.dtype != torch.int32 or head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"paged attention: need int32 block tables and a power-of-two head dim >= 16, "
                          f"got {block_tables.dtype} and {head_dim}")
-    if partition_size < 16 or partition_size & (partition_size - 1):
-        raise ValueError(f"paged attention: partition_size must be a power of two >= 16, "
-                         f"got {partition_size}")
 
 
 def paged_decode_attention_ref(

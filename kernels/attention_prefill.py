@@ -18,11 +18,12 @@ def _paged_prefill_kernel(
     k_cache_ptr,  # (num_blocks, block_size, Hkv, D) contiguous key cache (this step's keys stored)
     v_cache_ptr,  # (num_blocks, block_size, Hkv, D) contiguous value cache
     block_tables_ptr,  # (S, max_blocks_per_seq) int32 block ids per sequence
-    query_start_loc_ptr,  # (S+1,) int32 first query token of each sequence in q
+    query_start_loc_ptr,  # (S+1,) int32 first query token of each sequence in q (q's row 0 = 0)
     context_lens_ptr,  # (S,) int32 cached tokens per sequence, this chunk included
-    out_ptr,  # (T, Hq, D) contiguous output
+    out_ptr,  # (T, Hq, D) output rows, head dim contiguous
     q_token_stride,
     q_head_stride,
+    out_token_stride,
     block_table_stride,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     num_kv_heads,
@@ -32,14 +33,16 @@ def _paged_prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
     BLOCK_N: tl.constexpr,  # keys per loop step
-    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs, "tf32" for 16-bit ones
+    FP32: tl.constexpr,  # fp32 operands ("ieee" dots); otherwise 16-bit operands, fp32 accumulation
 ):
     """Program (s, t, h): query tokens [t*BLOCK_Q, (t+1)*BLOCK_Q) of sequence s's chunk, every query
     head of KV head h (rows r = token*GROUP + head, so the group shares each K/V tile it loads).
 
     The chunk's token i sits at position ctx - q_len + i and sees keys 0 .. that position (causal,
     aligned bottom-right); decodes are chunks of one. Online softmax in fp32 as in the decode
-    kernel (running max m, running sum l, out = acc / l).
+    kernel (running max m, running sum l, out = acc / l). With 16-bit inputs, both products take
+    16-bit operands (the probabilities are rounded to the value dtype, as FlashAttention does) and
+    accumulate in fp32: the full tensor-core rate, where fp32 operands would run at the tf32 rate.
     """
     seq = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * BLOCK_Q
@@ -56,7 +59,9 @@ def _paged_prefill_kernel(
         query_pos = ctx_len - q_len + token  # (BLOCK_M,)
         row_mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]  # (BLOCK_M, D)
         q_offs = (q_start + token).to(tl.int64)[:, None] * q_token_stride + head[:, None] * q_head_stride
-        q = tl.load(q_ptr + q_offs + dims[None, :], mask=row_mask, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + q_offs + dims[None, :], mask=row_mask, other=0.0)
+        if FP32:
+            q = q.to(tl.float32)
 
         row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         row_sum = tl.zeros((BLOCK_M,), tl.float32)
@@ -70,22 +75,27 @@ def _paged_prefill_kernel(
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_offs = (slot * num_kv_heads + kv_head)[:, None] * HEAD_DIM + dims[None, :]  # (BLOCK_N, D)
             kv_mask = key_ok[:, None] & (dims < HEAD_DIM)[None, :]
-            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+            k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+            if FP32:
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                scores = tl.dot(q.to(k.dtype), tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
             visible = (pos[None, :] <= query_pos[:, None]) & key_ok[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
+            scores = tl.where(visible, scores * qk_scale, float("-inf"))
             new_max = tl.maximum(row_max, tl.max(scores, axis=1))  # finite: every row sees key 0
             alpha = tl.exp2(row_max - new_max)
             p = tl.exp2(scores - new_max[:, None])
             row_sum = row_sum * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            if FP32:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             row_max = new_max
 
         out = acc / row_sum[:, None]
-        num_q_heads = num_kv_heads * GROUP
-        out_offs = ((q_start + token).to(tl.int64) * num_q_heads + head)[:, None] * HEAD_DIM + dims[None, :]
-        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+        out_offs = (q_start + token).to(tl.int64)[:, None] * out_token_stride + head[:, None] * HEAD_DIM
+        tl.store(out_ptr + out_offs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 def paged_prefill_attention_triton(
@@ -97,27 +107,34 @@ def paged_prefill_attention_triton(
     context_lens: torch.Tensor,
     max_query_len: int,
     scale: float,
-    block_m: int = 64,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """q (T, Hq, D) -> (T, Hq, D) for a varlen batch of chunks (decodes included) in one launch:
     a (S, query tiles of the longest chunk, Hkv) grid; tiles past a shorter chunk exit at once.
-    Tile sizes and warps are chosen from sm_90 register counts, not yet from GPU timings."""
+    query_start_loc[0] must be 0 (q's first row). Written into `out` when given. Tile sizes and warps
+    come from kernels.tuning (measured per GPU when a tuned table exists, defaults otherwise)."""
+    from kernels import tuning
+
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    _check_attention_inputs(q, k_cache, v_cache, block_tables, 16)
+    _check_attention_inputs(q, k_cache, v_cache, block_tables)
     group = num_q_heads // num_kv_heads
-    block_m = max(block_m, triton.next_power_of_2(group))
+    cfg = config or tuning.prefill_config(q.device, head_dim, q.dtype)
+    block_m = max(cfg["BLOCK_M"], triton.next_power_of_2(group))
     block_q = block_m // group
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    if out.shape != q.shape or out.stride(2) != 1 or out.stride(1) != head_dim:
+        raise ValueError(f"paged attention: out must be {tuple(q.shape)} with contiguous heads")
     num_seqs = context_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
     _paged_prefill_kernel[(num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
-        q.stride(0), q.stride(1), block_tables.stride(0), scale * _LOG2E, num_kv_heads,
+        q.stride(0), q.stride(1), out.stride(0), block_tables.stride(0), scale * _LOG2E, num_kv_heads,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=64, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if head_dim <= 64 else 8,
+        BLOCK_N=cfg["BLOCK_N"], FP32=q.dtype == torch.float32, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return out
 

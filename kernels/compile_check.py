@@ -101,9 +101,9 @@ def example_launches(dtype: torch.dtype, heads: str) -> dict[str, Callable[[], o
         "store_kv_cache": lambda: kv_cache.store_kv_cache_triton(
             paged.key, paged.value, paged.k_cache, paged.v_cache, meta.slot_mapping),
         "decode_attention": lambda: attention_decode.paged_decode_attention_triton(
-            *decode_args, 20, paged.scale),
+            *decode_args, paged.scale, num_splits=1),
         "decode_attention_split": lambda: attention_decode.paged_decode_attention_triton(
-            *decode_args, 700, paged.scale),
+            *decode_args, paged.scale, num_splits=8),
         "prefill_attention": lambda: attention_prefill.paged_prefill_attention_triton(
             q, paged.k_cache, paged.v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
             meta.max_query_len, paged.scale),

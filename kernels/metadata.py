@@ -29,11 +29,20 @@ class AttentionMetadata:
     # the torch path's decode plan (grouping, gather indices, masks): built by the first layer that
     # needs it and reused by every other layer of the step, since they share this metadata
     torch_decode_plan: list | None = field(default=None, repr=False, compare=False)
+    _prefill_qsl: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
         """Sequences in this step (decodes and prefill chunks)."""
         return len(self.query_lens_cpu)
+
+    @property
+    def prefill_query_start_loc(self) -> torch.Tensor:
+        """(S - num_decodes + 1,) int32: query_start_loc of the prefill chunks alone, from 0."""
+        if self._prefill_qsl is None:
+            nd = self.num_decodes
+            self._prefill_qsl = self.query_start_loc[nd:] - nd  # decodes hold one row each
+        return self._prefill_qsl
 
 
 def build_attention_metadata(

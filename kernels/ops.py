@@ -1,12 +1,12 @@
 """The one kernel dispatch the engine calls: Triton on CUDA tensors, the torch reference elsewhere.
 
-`BATCHGEN_KERNELS=torch|triton` (read at call time) or `set_backend(name)` forces one backend for
-every call; `auto` (or unset) picks by the tensor's device. Triton on CPU tensors runs only under
-the Triton interpreter (`TRITON_INTERPRET=1`, set before kernels are imported). The torch path is
-the CPU production path: every function here is vectorised and reads host-side lengths from the
-`*_cpu` lists of AttentionMetadata, never from tensors. On fp32 CPU tensors decode attention
-and the elementwise ops go to the native C kernels (kernels/cpu_native.py) when they build;
-`BATCHGEN_NATIVE=0` keeps the pure torch path.
+`BATCHGEN_KERNELS=torch|triton` (read once, and again on `set_backend(None)`) or `set_backend(name)`
+forces one backend for every call; `auto` (or unset) picks by the tensor's device. Triton on CPU
+tensors runs only under the Triton interpreter (`TRITON_INTERPRET=1`, set before kernels are
+imported). The torch path is the CPU production path: every function here is vectorised and
+reads host-side lengths from the `*_cpu` lists of AttentionMetadata, never from tensors. On fp32
+CPU tensors decode attention and the elementwise ops go to the native C kernels
+(kernels/cpu_native.py) when they build; `BATCHGEN_NATIVE=0` keeps the pure torch path.
 """
 
 from __future__ import annotations
@@ -44,20 +44,24 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "triton")
+ENV_VAR = "BATCHGEN_KERNELS"
 _forced_backend: str | None = None  # set_backend() override; None defers to BATCHGEN_KERNELS
+_env_backend: str = os.environ.get(ENV_VAR) or "auto"  # read once: not on every kernel call
 
 
 def set_backend(name: str | None) -> None:
-    """Force `torch` or `triton` for every call (`auto` or None: back to BATCHGEN_KERNELS/device)."""
-    global _forced_backend
+    """Force `torch` or `triton` for every call (`auto` or None: back to BATCHGEN_KERNELS, read again,
+    and the tensor's device)."""
+    global _forced_backend, _env_backend
     if name is not None and name not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS} or None, got {name!r}")
     _forced_backend = None if name in (None, "auto") else name
+    _env_backend = os.environ.get(ENV_VAR) or "auto"
 
 
 def get_backend(x: torch.Tensor) -> str:
     """The backend a call on tensor x uses: 'torch' or 'triton'."""
-    name = _forced_backend or os.environ.get("BATCHGEN_KERNELS") or "auto"
+    name = _forced_backend or _env_backend
     if name == "auto":
         return "triton" if x.is_cuda and HAS_TRITON else "torch"
     if name == "torch":
@@ -140,14 +144,18 @@ def paged_attention(
     """
     if get_backend(q) == "torch":
         return _paged_attention_torch(q, k_cache, v_cache, meta, scale)
-    if meta.num_decodes == len(meta.query_lens_cpu):  # decode-only step: split long contexts
-        return paged_decode_attention_triton(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_context_len, scale
-        )
-    return paged_prefill_attention_triton(  # one launch for decodes and prefill chunks together
-        q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
-        meta.max_query_len, scale,
+    nd = meta.num_decodes
+    if nd == meta.num_seqs:  # decode-only step (the one CUDA graphs capture)
+        return paged_decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if nd:  # a mixed step's decodes take the decode kernel: one query row per sequence, no wasted tile
+        paged_decode_attention_triton(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
+                                      meta.context_lens[:nd], scale, out=out[:nd])
+    paged_prefill_attention_triton(
+        q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_query_start_loc,
+        meta.context_lens[nd:], meta.max_query_len, scale, out=out[nd:],
     )
+    return out
 
 
 def _paged_attention_torch(

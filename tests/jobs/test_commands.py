@@ -41,9 +41,9 @@ def test_bad_input_is_a_usage_error(tmp_path, command, columns, message):
 
 @pytest.mark.parametrize("args, message", [
     (["--shard-size", "0"], "--shard-size must be >= 1"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "-1"], "temperature must be a finite number in [0, inf)"),
     (["--max-num-seqs", "0"], "max_num_seqs must be an integer in [1, 65536]"),
-    (["--max-tokens", "0"], "max_tokens must be >= 1"),
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
     (["--broker", "bogus://x"], "use redis://... or amqp://..."),
 ])
 def test_bad_flags_are_usage_errors(tmp_path, args, message):
@@ -112,7 +112,7 @@ def test_run_end_to_end_writes_every_row_once_in_input_order(tmp_path):
     assert [r["request_id"] for r in table] == [f"r{i}" for i in range(7)]
     assert [r["note"] for r in table] == [f"n{i}" for i in range(7)]
     assert [r["finish_reason"] == "error" for r in table] == [False, True, False, True, False, True, False]
-    assert "max_tokens must be >= 1" in table[1]["error"] and table[3]["error"] == "empty prompt"
+    assert "max_tokens must be an integer >= 1" in table[1]["error"] and table[3]["error"] == "empty prompt"
     assert "max_model_len is 64" in table[5]["error"]
     ok = [0, 2, 4, 6]
     with one_torch_thread():

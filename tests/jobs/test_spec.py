@@ -100,7 +100,7 @@ def test_job_level_checks(tmp_path):
     src = _write(tmp_path / "in.parquet", prompt=["a"])
     with pytest.raises(InputError, match="--shard-size must be >= 1"):
         _prepare(tmp_path, src, shard_size=0)
-    with pytest.raises(InputError, match="temperature must be >= 0"):
+    with pytest.raises(InputError, match="temperature must be a finite number in \\[0, inf\\)"):
         _prepare(tmp_path, src, temperature=-1.0)
     m = _prepare(tmp_path, src)
     with pytest.raises(InputError, match="already exists"):
@@ -117,8 +117,10 @@ def test_rows_that_cannot_run_get_an_error_and_overrides_apply():
     assert row_request({"prompt": "hi", "max_tokens": None}, defaults).params.max_tokens == 8
     assert row_request({"prompt": ""}, defaults).error == "empty prompt"
     assert row_request({"prompt": None, "messages": None}, defaults).error.startswith("empty prompt")
-    assert "max_tokens must be >= 1" in row_request({"prompt": "a", "max_tokens": 0}, defaults).error
-    assert "top_p must be in (0, 1]" in row_request({"prompt": "a", "top_p": 2.0}, defaults).error
+    bad_max = row_request({"prompt": "a", "max_tokens": 0}, defaults)
+    assert "max_tokens must be an integer >= 1" in bad_max.error
+    bad_top_p = row_request({"prompt": "a", "top_p": 2.0}, defaults)
+    assert "top_p must be a finite number in (0, 1]" in bad_top_p.error
     chat = row_request({"messages": [{"role": "user", "content": "hi"}], "prompt": "ignored"}, defaults)
     assert chat.prompt is None and chat.messages == [{"role": "user", "content": "hi"}]
     bad = row_request({"messages": [{"role": "user", "content": None}]}, defaults)

@@ -32,18 +32,18 @@ def _inputs(batch, heads, block_size, dtype, garbage):
     return make_paged_inputs(query_lens, context_lens, *heads, HEAD_DIM, block_size, dtype, garbage=garbage)
 
 
-@pytest.mark.parametrize("partition_size", [512, 32])  # one split, and 4 splits merged for context 100
+@pytest.mark.parametrize("num_splits", [1, 3, 8])  # one program per sequence, and splits merged
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads", HEADS)
-def test_paged_decode_attention(heads, block_size, dtype, partition_size):
+def test_paged_decode_attention(heads, block_size, dtype, num_splits):
     clean = _inputs("decodes", heads, block_size, dtype, garbage=0.0)
     inputs = _inputs("decodes", heads, block_size, dtype, garbage=float("nan"))
     meta = inputs.meta
     want = paged_decode_attention_ref(clean.q, clean.k_cache, clean.v_cache, meta.block_tables,
                                       meta.context_lens, meta.max_context_len, inputs.scale)
     out = paged_decode_attention_triton(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
-                                        meta.context_lens, meta.max_context_len, inputs.scale, partition_size)
+                                        meta.context_lens, inputs.scale, num_splits=num_splits)
     assert out.dtype == dtype
     assert_close(out, want, dtype)
 
@@ -82,4 +82,4 @@ def test_attention_rejects_heads_that_do_not_group():
     meta = inputs.meta
     with pytest.raises(ValueError, match="not a multiple"):
         paged_decode_attention_triton(inputs.q[:, :8], inputs.k_cache, inputs.v_cache, meta.block_tables,
-                                      meta.context_lens, 4, inputs.scale)
+                                      meta.context_lens, inputs.scale)

@@ -19,15 +19,24 @@ def no_forced_backend(monkeypatch):
 def test_cpu_tensors_use_torch_unless_forced(monkeypatch):
     x = torch.zeros(1)
     assert ops.get_backend(x) == "torch"
-    monkeypatch.setenv("BATCHGEN_KERNELS", "auto")
-    assert ops.get_backend(x) == "torch"
+    for name in ("auto", "torch"):
+        monkeypatch.setenv("BATCHGEN_KERNELS", name)
+        ops.set_backend(None)  # the environment is read once, and again here
+        assert ops.get_backend(x) == "torch"
+
+
+def test_the_environment_is_read_once_not_per_call(monkeypatch):
+    require_triton()
+    monkeypatch.setenv("BATCHGEN_KERNELS", "triton")
+    ops.set_backend(None)
     monkeypatch.setenv("BATCHGEN_KERNELS", "torch")
-    assert ops.get_backend(x) == "torch"
+    assert ops.get_backend(torch.zeros(1)) == "triton"
 
 
 def test_set_backend_wins_over_the_environment(monkeypatch):
     require_triton()
     monkeypatch.setenv("BATCHGEN_KERNELS", "torch")
+    ops.set_backend(None)
     ops.set_backend("triton")
     assert ops.get_backend(torch.zeros(1)) == "triton"
     ops.set_backend("auto")
@@ -38,6 +47,7 @@ def test_bad_backend_names_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="kernel backend must be one of"):
         ops.set_backend("cuda")
     monkeypatch.setenv("BATCHGEN_KERNELS", "trition")
+    ops.set_backend(None)
     with pytest.raises(ValueError, match="BATCHGEN_KERNELS must be one of.*'trition'"):
         ops.rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6)
 
@@ -45,6 +55,7 @@ def test_bad_backend_names_are_refused(monkeypatch):
 def test_triton_on_cpu_without_the_interpreter_says_how_to_fix_it(monkeypatch):
     require_triton()
     monkeypatch.setenv("BATCHGEN_KERNELS", "triton")
+    ops.set_backend(None)
     monkeypatch.setattr(ops, "interpreting", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         ops.silu_and_mul(torch.ones(1, 4))
@@ -78,7 +89,7 @@ def test_one_layer_step_is_the_same_on_both_backends(batch, monkeypatch):
     positions = torch.tensor([c - q + i for q, c in pairs for i in range(q)])
     cache = ops.make_cos_sin_cache(64, 128, 10000.0, torch.float32, "cpu")
     want = _layer_step(inputs, positions, cache)
-    monkeypatch.setenv("BATCHGEN_KERNELS", "triton")
+    ops.set_backend("triton")
     got = _layer_step(inputs, positions, cache)
     for g, w in zip(got, want, strict=True):
         assert_close(g, w, torch.float32)

@@ -1,0 +1,55 @@
+"""EngineConfig: device defaults resolved on construction, validation naming the field, and the
+engine flags that rebuild a config."""
+
+from __future__ import annotations
+
+import click
+import pytest
+
+from engine.cli_options import engine_config, engine_flags, engine_options
+from engine.config import EngineConfig
+
+
+def test_defaults_follow_the_device():
+    cpu = EngineConfig()
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens, cpu.dtype) == (128, 8192, "float32")
+    for device in ("cuda", "cuda:3"):
+        gpu = EngineConfig(device=device)
+        assert (gpu.max_num_seqs, gpu.max_num_batched_tokens, gpu.dtype) == (256, 16384, "bfloat16")
+        assert gpu.device_kind == "cuda" and gpu.gpu_memory_utilization == 0.9
+    given = EngineConfig(device="cuda", max_num_seqs=7, dtype="float16")
+    assert (given.max_num_seqs, given.max_num_batched_tokens, given.dtype) == (7, 16384, "float16")
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("device", "gpu", "device must be"), ("device", "cuda:x", "device must be"),
+    ("dtype", "fp8", "dtype must be 'auto' or one of"),
+    ("gpu_memory_utilization", 0.0, "gpu_memory_utilization"),
+    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
+    ("kv_cache_memory_gb", -1.0, "kv_cache_memory_gb"),
+    ("kv_cache_memory_gb", float("nan"), "kv_cache_memory_gb"), ("max_num_seqs", 0, "max_num_seqs"),
+])
+def test_bad_values_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**{field: value})
+
+
+def test_flags_rebuild_the_config():
+    config = EngineConfig(max_num_seqs=5, kv_cache_memory_gb=2.5, enforce_eager=True, dtype="bfloat16",
+                          gpu_memory_utilization=0.7, enable_chunked_prefill=False)
+    flags = engine_flags(config)
+    assert "--kv-cache-memory" in flags and "--enforce-eager" in flags
+
+    @click.command()
+    @engine_options
+    def parse(**opts):
+        return engine_config(opts)
+
+    assert parse.main(flags, standalone_mode=False) == config
+
+
+def test_dtype_auto_on_the_command_line():
+    assert engine_config({"dtype": "auto"}).dtype == "float32"
+    assert engine_config({"dtype": "auto", "device": "cuda"}).dtype == "bfloat16"
+    with pytest.raises(click.UsageError, match="gpu_memory_utilization"):
+        engine_config({"gpu_memory_utilization": 2.0})

@@ -1,0 +1,173 @@
+"""The model runner's step inputs: padded decode buckets (the CUDA-graph path, a plain call on CPU)
+give the eager path's tokens; device block tables follow the sequences' tables through growth,
+preemption and prefix caching; and a step makes one device -> host copy and no hidden host syncs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine import LLM, SamplingParams
+from engine.model_runner import graph_buckets
+from tests.engine.tiny import tiny_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    return tiny_hf_checkpoint(seed=1)
+
+
+def _prompts(n, seed=0, lo=1, hi=60, vocab=97):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _params(n):
+    """Greedy rows and seeded sampled rows (with top-k/top-p/min-p/penalties) mixed."""
+    out = []
+    for i in range(n):
+        if i % 3 == 0:
+            out.append(SamplingParams(max_tokens=10 + i % 7, temperature=0.0))
+        elif i % 3 == 1:
+            out.append(SamplingParams(max_tokens=12, temperature=0.8, top_k=20, top_p=0.9, seed=i))
+        else:
+            out.append(SamplingParams(max_tokens=9, temperature=1.1, min_p=0.05, presence_penalty=0.5,
+                                      repetition_penalty=1.2, seed=100 + i, logprobs=2))
+    return out
+
+
+CONFIGS = {
+    "roomy": dict(max_num_seqs=16, max_num_batched_tokens=256, block_size=16, num_kv_blocks=128),
+    "preempting": dict(max_num_seqs=8, max_num_batched_tokens=40, block_size=4, num_kv_blocks=28),
+    "prefix-cache": dict(max_num_seqs=6, max_num_batched_tokens=64, block_size=4, num_kv_blocks=80,
+                         enable_prefix_caching=True),
+    "odd-cap": dict(max_num_seqs=11, max_num_batched_tokens=7, block_size=8, num_kv_blocks=128),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_padded_decode_buckets_give_the_eager_tokens(ckpt, name):
+    prompts = _prompts(14, seed=3)
+    if name == "prefix-cache":
+        prompts = [prompts[0][:30] + p[:12] for p in prompts]
+    params = _params(len(prompts))
+    results = {}
+    for eager in (True, False):
+        llm = LLM("tiny", checkpoint=ckpt, enforce_eager=eager, **CONFIGS[name])
+        outs = llm.generate(prompts, params)
+        results[eager] = [(o.token_ids, o.finish_reason, o.logprobs) for o in outs]
+        if not eager:
+            assert llm.engine.runner.buckets == graph_buckets(min(CONFIGS[name]["max_num_seqs"],
+                                                                  CONFIGS[name]["max_num_batched_tokens"]))
+        if name == "preempting":
+            assert sum(s.num_preempted for s in llm.iteration_stats) > 0
+    assert results[False] == results[True]
+
+
+def test_graph_buckets():
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(5) == [1, 2, 4, 5]
+    assert graph_buckets(24) == [1, 2, 4, 8, 16, 24]
+    assert graph_buckets(256)[-3:] == [240, 248, 256] and len(graph_buckets(256)) == 35
+    assert graph_buckets(30) == [1, 2, 4, 8, 16, 24, 30]
+
+
+def test_device_block_tables_follow_the_sequences(ckpt):
+    """After every step, each running sequence's device row holds exactly its block table."""
+    llm = LLM("tiny", checkpoint=ckpt, enable_prefix_caching=True, **CONFIGS["preempting"])
+    engine = llm.engine
+    base = _prompts(1, seed=9, lo=20, hi=20)[0]
+    for i, p in enumerate(_prompts(10, seed=4)):
+        engine.add_request(str(i), base + p[:20], SamplingParams(max_tokens=15, temperature=0.0))
+    runner, checked = engine.runner, 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            row = runner._row_of.get(seq.seq_index)
+            if row is None:  # admitted but not yet scheduled
+                continue
+            table = runner.block_tables[row, : len(seq.block_table)].tolist()
+            assert table == seq.block_table
+            checked += 1
+        assert len(runner._row_of) <= len(engine.scheduler.running)
+    assert checked > 50
+    assert sum(s.num_preempted for s in llm.iteration_stats) > 0
+    assert not runner._row_of and len(runner._free_rows) == engine.config.max_num_seqs
+
+
+# aten ops that make a CUDA host wait for the device (a value or a data-dependent shape on the host)
+SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "is_nonzero", "equal",
+               "unique", "_unique2", "repeat_interleave"}
+
+
+class _SyncCounter(TorchDispatchMode):
+    """Records syncing aten ops issued outside the model's own forward (the kernels' references are
+    the CPU path; on CUDA the model runs Triton kernels, which never read device values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_model = False
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        indices = (args[1] if len(args) > 1 else None) or []
+        bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                             for i in indices)
+        if not self.in_model and (name in SYNCING_OPS or bool_index):
+            self.syncs.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_step_makes_one_host_fetch_and_no_hidden_sync(ckpt, eager):
+    llm = LLM("tiny", checkpoint=ckpt, enforce_eager=eager, **CONFIGS["roomy"])
+    engine, runner = llm.engine, llm.engine.runner
+    counter = _SyncCounter()
+    model = runner.model
+    forward, logits = model.forward, model.compute_logits
+
+    def quiet(fn):
+        def call(*args, **kwargs):
+            counter.in_model = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counter.in_model = False
+        return call
+
+    model.forward, model.compute_logits = quiet(forward), quiet(logits)
+    try:
+        params = _params(9)
+        for i, (p, sp) in enumerate(zip(_prompts(9, seed=2), params, strict=True)):
+            engine.add_request(str(i), p, sp)
+        steps = 0
+        fetches0, uploads0 = runner.staging.num_fetches, runner.staging.num_uploads
+        with counter:
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+    finally:
+        model.forward, model.compute_logits = forward, logits
+    assert counter.syncs == []
+    assert runner.staging.num_fetches - fetches0 == steps  # every step samples: one fetch each
+    assert runner.staging.num_uploads == uploads0  # on CPU an upload is no copy at all
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_kv_cache_on_cpu_costs_ram_only_where_written(ckpt):
+    before = _rss_bytes()
+    llm = LLM("tiny", checkpoint=ckpt, kv_cache_memory_gb=1.0, max_num_seqs=8192)
+    grown = _rss_bytes() - before
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 tokens, 2 KV heads, head dim 16, fp32
+    assert llm.engine.block_manager.num_blocks == (1 << 30) // per_block  # the budget, under the need
+    assert grown < 200 << 20  # 1 GiB of KV would be 1 GiB of RSS if it were touched
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert len(out.token_ids) == 3
