@@ -213,6 +213,6 @@ def _metrics_server(host: str, port: int, registry: CollectorRegistry) -> WSGISe
 def _info_labels(config: EngineConfig) -> dict[str, str]:
     """The settings that say what a worker runs, as label values (model is a label already)."""
     keep = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "block_size",
-            "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy")
+            "enable_chunked_prefill", "enable_prefix_caching", "scheduling_policy", "enforce_eager")
     values = asdict(config)
     return {k: str(values[k]) for k in keep}

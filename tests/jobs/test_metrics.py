@@ -111,7 +111,7 @@ def test_scraped_metrics_add_up_to_the_views(served):
     assert value(m, "batchgen:kv_cache_usage_perc") == pytest.approx(its["kv_used"] / its["kv_total"])
     assert value(m, "batchgen:engine_config_info", dtype="float32", device="cpu", max_num_seqs="3",
                  max_num_batched_tokens="64", block_size="4", enable_chunked_prefill="True",
-                 enable_prefix_caching="False", scheduling_policy="fcfs") == 1
+                 enable_prefix_caching="False", scheduling_policy="fcfs", enforce_eager="False") == 1
     assert not [k for k in m if k[0] == "batchgen:shards_running"], "no shard held: no job series left"
     assert ("process_cpu_seconds_total", ()) in m
 
