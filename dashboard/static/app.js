@@ -239,7 +239,10 @@ const bg = (() => {
     function fit() {
       const range = zoom || extent();
       if (!range) return;
-      for (const u of members) u.setScale("x", { min: range[0], max: range[1] });
+      for (const u of members) {
+        u.setScale("x", { min: range[0], max: range[1] });
+        if (u.cursor.idx === null || u.cursor.idx === undefined) u.setLegend({ idx: null }); // new data: new latest
+      }
     }
 
     const opts = {
@@ -259,7 +262,7 @@ const bg = (() => {
         }],
       },
     };
-    return { opts, fit, members, zoomed: () => zoom !== null };
+    return { opts, fit };
   }
 
   /* The uPlot instance drawn in a container (the browser tests read axes and legends through it). */
