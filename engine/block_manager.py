@@ -44,9 +44,6 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= len(self.free_blocks)
 
-    def can_append(self, seq: Sequence) -> bool:
-        return self.can_allocate(seq, 1)
-
     # -- changes
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         need = self.blocks_needed(seq, num_new_tokens)

@@ -54,7 +54,7 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_graphs()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(config, self.block_manager)
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         self.iteration = 0
         self._finished: list[RequestOutput] = []  # finished outside a step (bad input, abort)
@@ -234,7 +234,7 @@ class LLMEngine:
         """Finish the request whose step fails on its own with finish_reason "error"."""
         for s in piece:
             log.warning("request %s failed in the engine step and is finished with an error: %r",
-                        s.seq.request_id, exc)
+                        s.seq.request_id, exc, exc_info=exc)
             self.scheduler.finish(s.seq, "error", f"engine step failed for this request: {exc!r}")
             self._on_finished(s.seq)
         return len(piece)

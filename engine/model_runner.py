@@ -281,29 +281,36 @@ class ModelRunner:
 
     def _fill(self, buf: np.ndarray, slices: dict[str, slice], ordered, sample_rows: bool
               ) -> tuple[list[int], list[int]]:
-        """Write the step's token ids, positions, slots, lengths and rows into the host buffer."""
+        """Write the step's token ids, positions, slots, lengths and rows into the host buffer.
+        Decodes (first in `ordered`) go in as whole lists; prefill chunks one numpy slice each."""
+        bs = self.block_size
+        nd = next((i for i, s in enumerate(ordered) if s.num_new_tokens != 1), len(ordered))
+        seqs = [s.seq for s in ordered]
+        starts = [seq.num_computed_tokens for seq in seqs]
+        query_lens = [s.num_new_tokens for s in ordered]
+        context_lens = [a + n for a, n in zip(starts, query_lens, strict=True)]
         ids, pos, slots = buf[slices["input_ids"]], buf[slices["positions"]], buf[slices["slots"]]
-        query_lens, context_lens, sampled = [], [], []
-        at = 0
-        for s in ordered:
-            seq, n = s.seq, s.num_new_tokens
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            ids[at:at + n] = seq.token_ids[start:end]
-            positions = np.arange(start, end)
+        decodes = list(zip(seqs[:nd], starts, strict=False))
+        ids[:nd] = [seq.token_ids[a] for seq, a in decodes]
+        pos[:nd] = starts[:nd]
+        slots[:nd] = [seq.block_table[a // bs] * bs + a % bs for seq, a in decodes]
+        at = nd
+        for seq, start, n in zip(seqs[nd:], starts[nd:], query_lens[nd:], strict=True):
+            ids[at:at + n] = seq.token_ids[start:start + n]
+            positions = np.arange(start, start + n)
             pos[at:at + n] = positions
             table = np.asarray(seq.block_table, dtype=np.int64)
-            bs = self.block_size
             slots[at:at + n] = table[positions // bs] * bs + positions % bs
             at += n
-            query_lens.append(n)
-            context_lens.append(end)
-            if sample_rows and _catches_up(s):
-                sampled.append(at - 1)
         buf[slices["context_lens"]][: len(ordered)] = context_lens
-        buf[slices["query_start_loc"]][: len(ordered) + 1] = np.concatenate([[0], np.cumsum(query_lens)])
-        buf[slices["rows"]][: len(ordered)] = [self._row_of[s.seq.seq_index] for s in ordered]
-        if sample_rows:
-            buf[slices["sample"]] = sampled
+        qsl = buf[slices["query_start_loc"]]
+        qsl[0] = 0
+        np.cumsum(query_lens, out=qsl[1: len(ordered) + 1])
+        buf[slices["rows"]][: len(ordered)] = [self._row_of[seq.seq_index] for seq in seqs]
+        if sample_rows:  # the last token of each piece that catches its sequence up
+            ends = qsl[1: len(ordered) + 1].tolist()
+            buf[slices["sample"]] = [e - 1 for e, seq, c in zip(ends, seqs, context_lens, strict=True)
+                                     if c == seq.num_tokens]
         return query_lens, context_lens
 
     def _pad(self, buf: np.ndarray, slices: dict[str, slice], start: int, size: int) -> None:

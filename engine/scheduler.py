@@ -38,56 +38,81 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-class WaitingQueue:
-    """Waiting sequences in policy order: FCFS (arrival order, preempted ones first) or priority."""
+class FcfsQueue:
+    """Waiting sequences in arrival order; a preempted one goes back to the front."""
 
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
+    def __init__(self) -> None:
         self._fifo: deque[Sequence] = deque()
+
+    def __len__(self) -> int:
+        return len(self._fifo)
+
+    def __iter__(self):
+        return iter(self._fifo)
+
+    def add(self, seq: Sequence) -> None:
+        self._fifo.append(seq)
+
+    def add_front(self, seq: Sequence) -> None:
+        """A preempted sequence resumes before anything that arrived after it."""
+        self._fifo.appendleft(seq)
+
+    def peek(self) -> Sequence:
+        return self._fifo[0]
+
+    def pop(self) -> Sequence:
+        return self._fifo.popleft()
+
+    def remove(self, seq: Sequence) -> None:
+        self._fifo.remove(seq)
+
+    def victim(self, running: list[Sequence]) -> Sequence:
+        """Whom to preempt when blocks run out: the latest admitted."""
+        return running[-1]
+
+
+class PriorityQueue:
+    """Waiting sequences by (priority, arrival, admission order), smallest first."""
+
+    def __init__(self) -> None:
         self._heap: list[tuple[tuple, Sequence]] = []
 
     def __len__(self) -> int:
-        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
+        return len(self._heap)
 
     def __iter__(self):
-        return iter(self._fifo) if self.policy == "fcfs" else (s for _, s in sorted(self._heap))
+        return (s for _, s in sorted(self._heap))
 
     def add(self, seq: Sequence) -> None:
-        if self.policy == "fcfs":
-            self._fifo.append(seq)
-        else:
-            heapq.heappush(self._heap, (seq.priority_key, seq))
+        heapq.heappush(self._heap, (seq.priority_key, seq))
 
-    def add_front(self, seq: Sequence) -> None:
-        """A preempted sequence: under FCFS it resumes before anything that arrived after it."""
-        if self.policy == "fcfs":
-            self._fifo.appendleft(seq)
-        else:
-            self.add(seq)
+    add_front = add  # a preempted sequence simply takes its place by priority again
 
     def peek(self) -> Sequence:
-        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][1]
+        return self._heap[0][1]
 
     def pop(self) -> Sequence:
-        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[1]
+        return heapq.heappop(self._heap)[1]
 
     def remove(self, seq: Sequence) -> None:
-        if self.policy == "fcfs":
-            self._fifo.remove(seq)
-        else:
-            self._heap = [(k, s) for k, s in self._heap if s is not seq]
-            heapq.heapify(self._heap)
+        self._heap = [(k, s) for k, s in self._heap if s is not seq]
+        heapq.heapify(self._heap)
+
+    def victim(self, running: list[Sequence]) -> Sequence:
+        """Whom to preempt when blocks run out: the lowest priority (latest among equals)."""
+        return max(running, key=lambda s: s.priority_key)
+
+
+WAITING_QUEUES = {"fcfs": FcfsQueue, "priority": PriorityQueue}
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.token_budget = config.max_num_batched_tokens
         self.chunked_prefill = config.enable_chunked_prefill
-        self.policy = config.scheduling_policy
-        self.max_model_len = max_model_len
         self.block_manager = block_manager
-        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.waiting = WAITING_QUEUES[config.scheduling_policy]()
         self.running: list[Sequence] = []  # admission order
 
     # -- requests in and out
@@ -122,41 +147,35 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        for seq in list(self.running):
-            if budget <= 0:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this step
-            n = min(seq.num_uncomputed_tokens, budget)
-            if self._make_room(seq, n, out):
-                out.scheduled.append(ScheduledSequence(seq, n, _is_decode(seq, n)))
-                budget -= n
-        # a victim picked by priority may have been scheduled before it was preempted: undo that
-        kept = [s for s in out.scheduled if s.seq.status is SequenceStatus.RUNNING]
-        budget += out.num_scheduled_tokens - sum(s.num_new_tokens for s in kept)
-        out.scheduled = kept
+        for seq, n in self._plan_running(out, budget):
+            self.block_manager.allocate(seq, n)
+            out.scheduled.append(ScheduledSequence(seq, n, _is_decode(seq, n)))
+            budget -= n
         return budget
 
-    def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Allocate blocks for n more tokens of running `seq`, preempting others while they run out."""
+    def _plan_running(self, out: SchedulerOutput, budget: int) -> list[tuple[Sequence, int]]:
+        """The running sequences this step computes, in admission order, and their token counts
+        within the budget, such that the KV blocks they need are free: victims are preempted (or a
+        sequence alone that can never fit is rejected) before anything is allocated."""
         bm = self.block_manager
-        while not bm.can_allocate(seq, n):
+        while True:
+            plan, need, left = [], 0, budget
+            for seq in self.running:
+                if left <= 0:
+                    break
+                n = min(seq.num_uncomputed_tokens, left)
+                plan.append((seq, n))
+                need += bm.blocks_needed(seq, n)
+                left -= n
+            if need <= bm.num_free_blocks:
+                return plan
             if len(self.running) == 1:  # alone and still too big: the whole cache cannot hold it
+                seq, n = plan[0]
                 self._reject(seq, out, "the KV cache cannot hold this sequence: "
                              f"{bm.blocks_needed(seq, n) + len(seq.block_table)} blocks needed, "
                              f"{bm.num_blocks} in the cache")
-                return False
-            victim = self._pick_victim()
-            self._preempt(victim, out)
-            if victim is seq:
-                return False
-        bm.allocate(seq, n)
-        return True
-
-    def _pick_victim(self) -> Sequence:
-        if self.policy == "priority":
-            return max(self.running, key=lambda s: s.priority_key)
-        return self.running[-1]  # FCFS: the latest admitted
+                return []
+            self._preempt(self.waiting.victim(self.running), out)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -202,11 +221,13 @@ class Scheduler:
     def on_step_done(self, out: SchedulerOutput) -> list[Sequence]:
         """Advance computed counts; return sequences that caught up and so get a sampled token."""
         sampled = []
+        caching = self.block_manager.enable_prefix_caching
         for s in out.scheduled:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
+            if caching:
+                self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens == len(seq.token_ids):
                 sampled.append(seq)
         return sampled
 

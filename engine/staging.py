@@ -58,8 +58,9 @@ class Staging:
         self.num_fetches += 1
         if x.device.type == "cpu":
             return x.numpy()
-        host = self.buffer("__fetch__", x.numel(), x.dtype)
-        out = self._host["__fetch__"][: x.numel()]
+        name = f"__fetch_{x.dtype}__"  # one buffer per dtype: steps alternate int64 and float64
+        host = self.buffer(name, x.numel(), x.dtype)
+        out = self._host[name][: x.numel()]
         out.copy_(x.reshape(-1), non_blocking=True)
         torch.cuda.current_stream(x.device).synchronize()
         return host[: x.numel()].reshape(x.shape)

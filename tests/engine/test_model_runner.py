@@ -114,9 +114,8 @@ class _SyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name.split("::")[-1]
-        indices = (args[1] if len(args) > 1 else None) or []
-        bool_index = name == "index" and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                             for i in indices)
+        indices = args[1] if name == "index" and len(args) > 1 else []
+        bool_index = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
         if not self.in_model and (name in SYNCING_OPS or bool_index):
             self.syncs.append(name)
         return func(*args, **(kwargs or {}))
@@ -144,15 +143,16 @@ def test_a_step_makes_one_host_fetch_and_no_hidden_sync(ckpt, eager):
         params = _params(9)
         for i, (p, sp) in enumerate(zip(_prompts(9, seed=2), params, strict=True)):
             engine.add_request(str(i), p, sp)
-        steps = 0
+        steps, finished = 0, []
         fetches0, uploads0 = runner.staging.num_fetches, runner.staging.num_uploads
         with counter:
             while engine.has_unfinished_requests():
-                engine.step()
+                finished += engine.step()
                 steps += 1
     finally:
         model.forward, model.compute_logits = forward, logits
     assert counter.syncs == []
+    assert sorted(o.finish_reason for o in finished) == ["length"] * 9
     assert runner.staging.num_fetches - fetches0 == steps  # every step samples: one fetch each
     assert runner.staging.num_uploads == uploads0  # on CPU an upload is no copy at all
 

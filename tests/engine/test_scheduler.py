@@ -16,7 +16,7 @@ def make_scheduler(num_blocks=64, block_size=16, policy="fcfs", prefix=False, **
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, scheduling_policy=policy,
                           enable_prefix_caching=prefix, **kw)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    return Scheduler(config, bm, max_model_len=1 << 16)
+    return Scheduler(config, bm)
 
 
 def make_seq(n_prompt, max_tokens=8, priority=0, rid=None, arrival=0.0, tokens=None):
