@@ -34,6 +34,7 @@ DEFAULT_CONFIG = {
     "REFRESH_S": 5,  # live pages poll this often while a job is queued or running
     "OUTPUT_SAMPLE_ROWS": 20,  # output rows shown on a job page
     "MAX_CONTENT_LENGTH": 1 << 20,  # request bodies (a SQL query) up to 1 MiB
+    "METRICS_MAX_JOBS": 50,  # jobs with series of their own on /metrics (live ones first, then newest)
 }
 
 # Everything is served from here: no CDN, no inline script. uPlot sets inline styles.
@@ -53,12 +54,12 @@ def create_app(test_config: dict | None = None) -> Flask:
         app.config.from_mapping(test_config)
     app.config["DATA_DIR"] = os.fspath(app.config["DATA_DIR"])
 
-    from dashboard import auth, db, jobs, sql, sweeps, workers
+    from dashboard import auth, db, jobs, metrics, sql, sweeps, workers
 
     db.init_app(app)
     auth.init_app(app)
     register_filters(app)
-    for blueprint in (jobs.bp, workers.bp, sweeps.bp, sql.bp):
+    for blueprint in (jobs.bp, workers.bp, sweeps.bp, sql.bp, metrics.bp):
         app.register_blueprint(blueprint)
     app.after_request(_security_headers)
     app.register_error_handler(HTTPException, _http_error)

@@ -11,15 +11,19 @@ import json
 import time
 from dataclasses import asdict, dataclass, fields
 
+from flask import current_app
+
 from dashboard import queries
 from dashboard.db import fetch_dicts, fetch_one
 from engine.config import EngineConfig
+from jobs.store.workers import WorkerRecord, read_worker_records
 
 LIVE_STATUSES = ("queued", "running")
 MAX_JOBS = 500  # jobs listed on the jobs page
 MAX_SHARDS = 5000  # shards listed on a job page
 RECENT_WINDOW_S = 60.0  # "recent" tokens/s of a worker: over this window before now
-HEARTBEAT_STALE_S = 30.0  # a worker whose last iteration is older than this shows as idle
+HEARTBEAT_STALE_S = 30.0  # a worker with no record whose last iteration is older than this is gone
+BUSY_WITHIN_S = 10.0  # a live worker holding no shard at its heartbeat but iterating this recently: running
 
 
 @dataclass
@@ -130,51 +134,88 @@ def job_preemptions(job_id: str) -> dict:
 
 @dataclass
 class WorkerSummary:
-    """A worker seen in the `iterations` telemetry."""
+    """A worker seen in its heartbeat record (jobs.store.workers) or in the `iterations` telemetry."""
 
     worker_id: str
+    state: str  # running | idle | gone
+    gone_reason: str | None  # stopped (clean shutdown) | lost (heartbeat stopped) | silent (no record, no
+    # iteration for HEARTBEAT_STALE_S); None while not gone
+    gone_since_ts: float | None  # when it stopped, or its last sign of life
+    heartbeat_ts: float | None  # its last sign of life: record heartbeat, else end of its last iteration
+    host: str | None  # from its record
+    metrics_url: str | None  # its Prometheus /metrics, when it serves one
     iterations: int  # engine steps it has written
-    first_seen_ts: float  # its first iteration
-    last_seen_ts: float  # end of its last iteration: the heartbeat
-    max_num_seqs: int  # sequence cap in force at its last iteration
-    token_budget: int  # max_num_batched_tokens in force at its last iteration
-    kv_blocks_total: int  # KV blocks in its cache
-    kv_blocks_used: int  # at its last iteration
-    num_running: int  # running sequences at its last iteration
-    num_waiting: int  # waiting requests at its last iteration
+    first_seen_ts: float | None  # its first iteration
+    last_seen_ts: float | None  # end of its last iteration
+    max_num_seqs: int | None  # sequence cap in force at its last iteration
+    token_budget: int | None  # max_num_batched_tokens in force at its last iteration
+    kv_blocks_total: int | None  # KV blocks in its cache
+    kv_blocks_used: int | None  # at its last iteration
+    num_running: int | None  # running sequences at its last iteration
+    num_waiting: int | None  # waiting requests at its last iteration
     recent_decode_tokens_per_s: float  # over the last RECENT_WINDOW_S seconds
     recent_scheduled_tokens_per_s: float  # prefill + decode tokens, same window
-    lifetime_decode_tokens_per_s: float  # first to last iteration
+    lifetime_decode_tokens_per_s: float | None  # first to last iteration
     preemptions: int  # sequences it preempted, over all its iterations
-    alive: bool  # last heartbeat within HEARTBEAT_STALE_S
+    alive: bool  # not gone
     current_shards: list[dict]  # shards it is running now (job_id, shard_id, attempts, started_ts)
     latest_job_id: str | None  # the job of the shard it started last
-    model: str | None  # that job's model
+    model: str | None  # the model it serves (its record), else that job's model
     engine_config: dict  # that job's engine settings
 
     def as_json(self) -> dict:
         return asdict(self)
 
 
+_NO_TELEMETRY = {"iterations": 0, "first_seen_ts": None, "last_seen_ts": None, "max_num_seqs": None,
+                 "token_budget": None, "kv_blocks_total": None, "kv_blocks_used": None, "num_running": None,
+                 "num_waiting": None, "recent_decode_tokens_per_s": 0.0, "recent_scheduled_tokens_per_s": 0.0,
+                 "lifetime_decode_tokens_per_s": None, "preemptions": 0}
+_STATE_ORDER = {"running": 0, "idle": 1, "gone": 2}
+
+
 def worker_summaries() -> list[WorkerSummary]:
+    """Every worker, live ones first, then the gone ones; each group by last sign of life."""
     now = time.time()
     rows = fetch_dicts(queries.WORKERS, {"now": now, "window_s": RECENT_WINDOW_S})
+    telemetry = {r["worker_id"]: r for r in rows}
+    records = {r.worker_id: r for r in read_worker_records(current_app.config["DATA_DIR"])}
     running = fetch_dicts(queries.WORKER_SHARDS)
     latest = {r["worker_id"]: r for r in fetch_dicts(queries.WORKER_LATEST_JOB)}
-    return [_worker(row, running, latest.get(row["worker_id"], {}), now) for row in rows]
+    summaries = [_worker(wid, telemetry.get(wid), records.get(wid), running, latest.get(wid, {}), now)
+                 for wid in telemetry.keys() | records.keys()]
+    return sorted(summaries, key=lambda w: (_STATE_ORDER[w.state], -(w.heartbeat_ts or 0), w.worker_id))
 
 
-def _worker(row: dict, running: list[dict], latest: dict, now: float) -> WorkerSummary:
+def _worker(worker_id: str, row: dict | None, record: WorkerRecord | None, running: list[dict], latest: dict,
+            now: float) -> WorkerSummary:
     shards = [{k: s[k] for k in ("job_id", "shard_id", "attempts", "started_ts")}
-              for s in running if s["worker_id"] == row["worker_id"]]
+              for s in running if s["worker_id"] == worker_id]
+    stats = {k: v for k, v in (row or _NO_TELEMETRY).items() if k != "worker_id"}
+    state, reason, since, heartbeat = _liveness(record, stats["last_seen_ts"], now)
     return WorkerSummary(
-        **row,
-        alive=now - row["last_seen_ts"] <= HEARTBEAT_STALE_S,
-        current_shards=shards,
-        latest_job_id=latest.get("job_id"),
-        model=latest.get("model"),
+        worker_id=worker_id, state=state, gone_reason=reason, gone_since_ts=since, heartbeat_ts=heartbeat,
+        host=record.host if record else None, metrics_url=(record.metrics_url or None) if record else None,
+        **stats, alive=state != "gone", current_shards=shards, latest_job_id=latest.get("job_id"),
+        model=(record.model if record and record.model else latest.get("model")),
         engine_config=engine_config_of(parse_config(latest.get("config"))),
     )
+
+
+def _liveness(record: WorkerRecord | None, last_iteration_ts: float | None,
+              now: float) -> tuple[str, str | None, float | None, float | None]:
+    """(state, gone reason, gone since, last sign of life). A worker with a record is judged by it; one
+    without (telemetry written before records existed) by its last iteration."""
+    if record is None:
+        if last_iteration_ts is not None and now - last_iteration_ts <= HEARTBEAT_STALE_S:
+            return "running", None, None, last_iteration_ts
+        return "gone", "silent", last_iteration_ts, last_iteration_ts
+    since = record.gone_since(now)
+    if since is not None:
+        return "gone", record.state(now), since, record.heartbeat_ts
+    iterating = last_iteration_ts is not None and now - last_iteration_ts <= BUSY_WITHIN_S
+    busy = record.shards_held > 0 or iterating
+    return ("running" if busy else "idle"), None, None, record.heartbeat_ts
 
 
 # ---------------------------------------------------------------- sweeps

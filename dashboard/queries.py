@@ -222,6 +222,15 @@ FROM shards AS s JOIN jobs AS j USING (job_id)
 WHERE s.worker_id IS NOT NULL AND s.started_at IS NOT NULL GROUP BY s.worker_id
 """
 
+# ---------------------------------------------------------------- /metrics
+
+JOB_STATUS_COUNTS = "SELECT status, count(*) AS n FROM jobs GROUP BY status"
+SHARD_STATUS_COUNTS = "SELECT status, count(*) AS n FROM shards GROUP BY status"
+ROWS_COMMITTED = "SELECT coalesce(sum(rows_done), 0)::BIGINT AS n FROM jobs"
+JOB_SHARD_STATUS_COUNTS = """
+SELECT job_id, status, count(*) AS n FROM shards WHERE list_contains($job_ids, job_id) GROUP BY ALL
+"""
+
 # ---------------------------------------------------------------- sweeps
 
 # One row per measured configuration, repeats averaged

@@ -6,20 +6,31 @@ message prefetched per worker thread, retries with exponential backoff up to the
 `max_retries`. Idempotence lives in the shard runner: a committed shard is never generated again.
 
 Publishing (`publish_shard`) goes through `send_task` by name, so `submit`, `status` and `retry`
-never import the engine.
+never import the engine. A shard task's id names its job and shard (`shard_task_id`), so `celery
+inspect active`, Flower and `celery control revoke` show and take ids a person can read, and a worker
+that hears a revoke knows which job it is about (jobs.revoke).
+
+Celery's own tools: `celery -A jobs.celery_app inspect ping|active|stats|active_queues` and Flower
+use the module attribute `app`, built on first access for the broker in force ($BATCHGEN_BROKER_URL,
+$BATCHGEN_QUEUE, $BATCHGEN_DATA_DIR). On Redis and RabbitMQ workers answer remote control and send
+task events and heartbeats. The embedded transport has no fanout exchange (a broadcast would reach
+one consumer, not every worker) and keeps topic bindings in each process's memory (events would
+reach nobody), so there all three stay off.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import uuid
 
 from celery import Celery
 from celery.exceptions import Reject
 from kombu import Exchange, Queue
 
 import jobs.embedded_broker  # noqa: F401 - registers the embedded transport with kombu
-from jobs.broker import BrokerSettings
+from jobs.broker import BROKER_ENV, EMBEDDED, BrokerSettings, resolve_broker
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +50,7 @@ def celery_config(settings: BrokerSettings) -> dict:
         transport_options["polling_interval"] = 0.1
     queue = Queue(settings.queue, Exchange(settings.queue, type="direct"), routing_key=settings.queue,
                   consumer_arguments=consumer_arguments or None)
+    fleet = settings.kind != EMBEDDED  # a server broker carries broadcasts and events
     return {
         "broker_url": settings.url,
         "broker_transport_options": transport_options,
@@ -56,13 +68,24 @@ def celery_config(settings: BrokerSettings) -> dict:
         "accept_content": ["json"],
         "result_backend": None,
         "worker_prefetch_multiplier": 1,
-        "worker_enable_remote_control": False,  # the embedded transport has no fanout
-        "worker_send_task_events": False,
-        "task_send_sent_event": False,
+        "worker_enable_remote_control": fleet,  # celery inspect / control, Flower's worker pages
+        "worker_send_task_events": fleet,  # task-received/started/succeeded...: Flower's task list
+        "task_send_sent_event": fleet,  # task-sent from the publisher: queued shards show in Flower
         "worker_hijack_root_logger": False,
         "worker_redirect_stdouts": False,
         "worker_cancel_long_running_tasks_on_connection_loss": False,
     }
+
+
+def worker_options(settings: BrokerSettings) -> dict:
+    """`app.Worker` options for a broker: heartbeats and mingle where the broker carries broadcasts.
+
+    Mingle lets a starting worker learn the ids its peers were told to revoke. Gossip stays off
+    everywhere: each worker would consume every other worker's events (traffic growing with the
+    square of the fleet) for features batchgen does not use (leader election, clock sync).
+    """
+    fleet = settings.kind != EMBEDDED
+    return {"without_gossip": True, "without_mingle": not fleet, "without_heartbeat": not fleet}
 
 
 @functools.lru_cache(maxsize=16)
@@ -81,7 +104,35 @@ def publish_shard(settings: BrokerSettings, job_id: str, shard_id: int, shard_pa
     retries a shard already used (a re-queued shard keeps its retry budget)."""
     kwargs = {"job_id": job_id, "shard_id": shard_id, "shard_path": shard_path, "data_dir": data_dir}
     make_app(settings).send_task(TASK_NAME, kwargs=kwargs, queue=settings.queue, routing_key=settings.queue,
-                                 countdown=countdown, retries=retries)
+                                 countdown=countdown, retries=retries,
+                                 task_id=shard_task_id(job_id, shard_id))
+
+
+def shard_task_id(job_id: str, shard_id: int) -> str:
+    """`<job>.shard<N>.<random>`: unique per publication, and readable in `celery inspect` and Flower."""
+    return f"{job_id}.shard{shard_id}.{uuid.uuid4().hex[:12]}"
+
+
+def parse_shard_task_id(task_id: str) -> tuple[str, int] | None:
+    """(job id, shard id) of an id made by `shard_task_id`; None for any other id."""
+    parts = str(task_id).rsplit(".", 2)
+    if len(parts) != 3 or not parts[1].startswith("shard") or not parts[1][5:].isdigit() or not parts[0]:
+        return None
+    return parts[0], int(parts[1][5:])
+
+
+def __getattr__(name: str) -> Celery:
+    """`app` (and `celery`): the app for the broker in force, for `celery -A jobs.celery_app ...`."""
+    if name not in ("app", "celery"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
+
+    settings = resolve_broker(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR)
+    if settings.kind == EMBEDDED:
+        log.warning("%s is unset: the embedded broker carries no remote control or events, so celery "
+                    "inspect/control and Flower see no workers; set it to the redis:// or amqp:// URL "
+                    "the workers use", BROKER_ENV)
+    return make_app(settings)
 
 
 def run_shard(self, job_id: str, shard_id: int, shard_path: str, data_dir: str) -> dict:

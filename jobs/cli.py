@@ -24,6 +24,8 @@ COMMANDS: dict[str, str] = {
     "retry": "jobs.commands:retry",
     "dashboard": "dashboard.cli:dashboard",
 }
+# commands that run for a long time and log as they go: each gets --log-format text|json (jobs.logs)
+LONG_RUNNING = ("run", "worker", "dashboard", "bench", "sweep")
 
 
 class LazyGroup(click.Group):
@@ -41,7 +43,12 @@ class LazyGroup(click.Group):
             if exc.name and (exc.name == module_name or module_name.startswith(exc.name + ".")):
                 return _unavailable(name, f"{module_name} is not built yet")
             raise
-        return getattr(module, attr)
+        command = getattr(module, attr)
+        if name in LONG_RUNNING:
+            from jobs.logs import add_log_format_option
+
+            add_log_format_option(command)
+        return command
 
 
 def _unavailable(name: str, why: str) -> click.Command:

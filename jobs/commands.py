@@ -7,7 +7,6 @@ with a message naming the flag, file, column or row.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import socket
@@ -28,12 +27,15 @@ from jobs.broker import (
     BrokerSettings,
     resolve_broker,
 )
+from jobs.logs import LOG_FORMAT_ENV
 from jobs.spec import CHAT_TEMPLATE_MODES
 from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 __all__ = ["ENGINE_FIELDS", "engine_config", "engine_flags", "engine_options"]  # re-exported for jobs.*
 
 # ---------------------------------------------------------------- shared options
+
+MAX_CONCURRENCY = 64  # shards one worker holds at once, at most
 
 _SAMPLING_OPTIONS = [
     click.option("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True,
@@ -214,24 +216,31 @@ def submit(prompts: str, data_dir: str, broker_url: str | None, queue: str, **op
 @_DATA_DIR_OPTION
 @_BROKER_OPTION
 @click.option("--queue", envvar=QUEUE_ENV, default=DEFAULT_QUEUE, show_default=True, help="Queue to consume.")
-@click.option("--concurrency", type=click.IntRange(1, 64), default=2, show_default=True,
+@click.option("--concurrency", type=click.IntRange(1, MAX_CONCURRENCY), default=2, show_default=True,
               help="Shards held in the engine at once (>= 2 keeps it busy across shard boundaries).")
 @click.option("--worker-id", "-n", help="Worker name (default batchgen-<pid>@<host>).")
 @click.option("--shard-timeout", type=float, help="Seconds a shard may hold its message (broker visibility / "
               "consumer timeout; default from the default shard size).")
 @click.option("--loglevel", default="INFO", show_default=True)
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Serve Prometheus /metrics on this port (0 = any free one; default: off).")
+@click.option("--metrics-host", default="0.0.0.0", show_default=True,
+              help="Address --metrics-port binds (metrics hold counts and ids, never prompts or outputs).")
 def worker(data_dir: str, broker_url: str | None, queue: str, concurrency: int, worker_id: str | None,
-           shard_timeout: float | None, loglevel: str, **opts) -> None:
+           shard_timeout: float | None, loglevel: str, metrics_port: int | None, metrics_host: str,
+           **opts) -> None:
     """Serve shard tasks from the queue with one long-lived engine."""
+    from jobs.logs import configure_logging
     from jobs.worker_main import run_worker
 
     config = engine_config(opts)
     settings = _broker(data_dir, queue, url=broker_url, timeout_s=shard_timeout)
     check_broker(settings)
     worker_id = worker_id or f"batchgen-{os.getpid()}@{socket.gethostname()}"
-    logging.basicConfig(level=loglevel.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(level=loglevel)
+    metrics_at = (metrics_host, metrics_port) if metrics_port is not None else None
     sys.exit(run_worker(config, settings, str(Path(data_dir).expanduser().resolve()), worker_id,
-                        concurrency, loglevel))
+                        concurrency, loglevel, metrics_at))
 
 
 # ---------------------------------------------------------------- run
@@ -248,7 +257,7 @@ def worker(data_dir: str, broker_url: str | None, queue: str, concurrency: int, 
                    "batch output, failed requests in <name>.errors.jsonl).")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Worker processes (each loads the model).")
-@click.option("--concurrency", type=click.IntRange(1, 64),
+@click.option("--concurrency", type=click.IntRange(1, MAX_CONCURRENCY),
               help="Shards held in each engine at once (default: enough to fill --max-num-seqs, >= 2).")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="A progress bar on a terminal, else a progress line every few seconds.")
@@ -268,9 +277,13 @@ def run(prompts: str, data_dir: str, output: Path | None, workers: int, concurre
     manifest, resumed = _run_job(request)
     broker = _broker(data_dir, manifest.queue, embedded=True)
     config = replace(config, model=manifest.model)  # an OpenAI file's body.model, when --model was not given
-    concurrency = concurrency or max(2, math.ceil(config.max_num_seqs / manifest.shard_size) + 1)
+    # enough shards to fill max_num_seqs, within what `batchgen worker --concurrency` accepts
+    concurrency = concurrency or min(max(2, math.ceil(config.max_num_seqs / manifest.shard_size) + 1),
+                                     MAX_CONCURRENCY)
+    json_logs = os.environ.get(LOG_FORMAT_ENV) == "json"  # set by --log-format (jobs.logs)
     local = LocalRun(manifest, broker, config, workers=workers, concurrency=concurrency,
-                     show_progress=progress, resume=resumed, output_path=str(output or ""),
+                     show_progress=progress, progress_as_log=json_logs, resume=resumed,
+                     output_path=str(output or ""),
                      resume_command=resume_command(sys.argv[1:], manifest.job_id, data_dir))
     try:
         code = local.run()
@@ -365,13 +378,12 @@ def _requeue(data_dir: str, job_id: str | None) -> None:
 @click.option("--reason", default="cancelled by user", show_default=True)
 def cancel(job_id: str, data_dir: str, reason: str) -> None:
     """Cancel a job: queued shards are skipped, running ones stop; finished rows stay."""
-    from jobs.manifest import JobPaths
-    from jobs.store.parts import Store
+    from jobs.status import cancel_job
 
     manifest = _manifest(data_dir, job_id)
-    paths = JobPaths.of(manifest.data_dir, job_id)
-    paths.cancel_marker.write_text(reason + "\n")
-    Store(manifest.data_dir).request_cancel(job_id, reason)
+    if not cancel_job(manifest, reason):
+        click.echo(f"job {job_id}: already cancelled")
+        return
     click.echo(f"job {job_id}: cancel requested; running shards stop within seconds, "
                "queued shards are skipped")
 

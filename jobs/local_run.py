@@ -3,8 +3,9 @@
 Submit to the embedded broker (a queue of the job's own; or, when the same command ran before,
 queue what that job has left: jobs.resume), start worker subprocesses (`batchgen worker`, logs under
 the job's directory), show progress from the lease files (rows done / total, tokens/s, ETA: a bar on
-a terminal, else a log line every few seconds), re-queue shards of a worker that died, stop the
-workers when every shard is committed or failed, then print a summary and write `--output`.
+a terminal, else a line every PROGRESS_LOG_S; with `--log-format json` a log record each time),
+re-queue shards of a worker that died, stop the workers when every shard is committed or failed,
+then print a summary and write `--output`.
 
 Ctrl-C hands the shards in flight back: each worker (in a session of its own, so the terminal's
 SIGINT reaches only this process) gets one SIGINT, aborts its running rows and gives its shards back
@@ -15,6 +16,7 @@ the job finished meanwhile, the summary and `--output` as usual).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shlex
 import signal
@@ -36,6 +38,8 @@ from jobs.manifest import JobManifest, JobPaths
 from jobs.store.parts import Store
 from jobs.supervise import JobProgress, hand_back_dead_attempts, job_progress, requeue_dead_shards
 
+log = logging.getLogger(__name__)
+
 POLL_S = 0.5
 STOP_TIMEOUT_S = 60.0
 # After Ctrl-C a worker hands its shards back at the end of the engine step it is in (under a second
@@ -44,7 +48,7 @@ STOP_TIMEOUT_S = 60.0
 HAND_BACK_TIMEOUT_S = 5.0
 MAX_RESTARTS = 3  # per worker slot, for workers killed by a signal
 LOG_TAIL_LINES = 15
-PROGRESS_LOG_S = 5.0  # a progress log line this often when stderr is not a terminal
+PROGRESS_LOG_S = 5.0  # a progress line (or JSON log record) this often when there is no bar
 
 
 class RunError(Exception):
@@ -63,14 +67,15 @@ class WorkerProcess:
 
 class LocalRun:
     def __init__(self, manifest: JobManifest, broker: BrokerSettings, config: EngineConfig, *, workers: int,
-                 concurrency: int, show_progress: bool = True, resume: bool = False,
-                 output_path: str = "", resume_command: str = "") -> None:
+                 concurrency: int, show_progress: bool = True, progress_as_log: bool = False,
+                 resume: bool = False, output_path: str = "", resume_command: str = "") -> None:
         self.manifest = manifest
         self.broker = broker
         self.config = config
         self.num_workers = workers
         self.concurrency = concurrency
         self.show_progress = show_progress
+        self.progress_as_log = progress_as_log  # JSON logs: progress as log records, not a bar
         self.resume = resume  # the job was started before: queue what it has left
         self.output_path = output_path or manifest.output_path  # this command's --output
         self.resume_command = resume_command  # printed after Ctrl-C
@@ -164,7 +169,7 @@ class LocalRun:
 
     # -- progress
     def _watch(self) -> JobProgress:
-        report = _reporter(self.manifest, self.show_progress)
+        report = _reporter(self.manifest, self.show_progress, self.progress_as_log)
         janitor_every, last_janitor, gen_start = lease_ttl_s() / 2, time.monotonic(), None
         try:
             while True:
@@ -274,12 +279,12 @@ def resume_command(argv: list[str], job_id: str, data_dir: str) -> str:
 # ---------------------------------------------------------------- progress output
 
 
-def _reporter(manifest: JobManifest, show: bool):
+def _reporter(manifest: JobManifest, show: bool, as_records: bool = False):
     if not show:
         return _Quiet()
-    if sys.stderr.isatty():
+    if sys.stderr.isatty() and not as_records:
         return _Bar(manifest)
-    return _LogLines(manifest)
+    return _LogLines(manifest, as_records)
 
 
 class _Quiet:
@@ -309,10 +314,12 @@ class _Bar:
 
 
 class _LogLines:
-    """A progress line every PROGRESS_LOG_S seconds (and at the end): for logs, CI and pipes."""
+    """A progress line every PROGRESS_LOG_S seconds (and at the end): for logs, CI and pipes; as log
+    records (the numbers as fields too) when logs are JSON."""
 
-    def __init__(self, manifest: JobManifest) -> None:
+    def __init__(self, manifest: JobManifest, as_records: bool = False) -> None:
         self.manifest = manifest
+        self.as_records = as_records
         self.last = -PROGRESS_LOG_S
         self.latest: JobProgress | None = None
         self.gen_start: float | None = None
@@ -321,11 +328,17 @@ class _LogLines:
         self.latest, self.gen_start = progress, gen_start
         if time.monotonic() - self.last >= PROGRESS_LOG_S:
             self.last = time.monotonic()
-            click.echo(progress_line(progress, gen_start), err=True)
+            self._emit(progress, gen_start)
 
     def close(self) -> None:
         if self.latest is not None:
-            click.echo(progress_line(self.latest, self.gen_start), err=True)
+            self._emit(self.latest, self.gen_start)
+
+    def _emit(self, progress: JobProgress, gen_start: float | None) -> None:
+        if self.as_records:
+            _log_progress(progress, gen_start)
+        else:
+            click.echo(progress_line(progress, gen_start), err=True)
 
 
 def progress_line(progress: JobProgress, gen_start: float | None) -> str:
@@ -349,6 +362,16 @@ def _tok_s(progress: JobProgress, gen_start: float | None) -> float:
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _log_progress(progress: JobProgress, gen_start: float | None) -> None:
+    """The progress bar's numbers as one log record (its fields as JSON keys too)."""
+    fields = {"job_id": progress.job_id, "rows_done": progress.rows_done,
+              "num_requests": progress.num_requests,
+              "output_tokens_per_s": round(_tok_s(progress, gen_start), 2),
+              "shards_committed": progress.count("committed"), "num_shards": len(progress.shards)}
+    log.info("job %(job_id)s: %(rows_done)d/%(num_requests)d rows, %(output_tokens_per_s).1f tok/s, "
+             "shards %(shards_committed)d/%(num_shards)d", fields, extra=fields)
 
 
 def _tail(path: Path) -> str:

@@ -7,8 +7,12 @@ while one shard's last requests drain, the next shard's requests are already wai
 and fill the running set: no static-batching tail at shard boundaries.
 
 Beside the loop, a housekeeping thread keeps each held shard's lease alive (heartbeat with
-progress), aborts the requests of a job whose cancel marker appears, and periodically re-queues the
-shards of dead workers (`jobs.supervise.requeue_dead_shards`).
+progress), aborts the requests of a job whose cancel marker appears, periodically re-queues the
+shards of dead workers (`jobs.supervise.requeue_dead_shards`), and keeps this worker's record
+(`jobs.store.workers`) fresh so the dashboard can tell an idle worker from a gone one.
+
+The engine's telemetry goes to the store (iterations, through the stat logger) and, when the worker
+serves Prometheus metrics, to `jobs.metrics.WorkerMetrics` (iterations, and each finished request).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from engine.sampling_params import SamplingParams
 from engine.stats import IterationStats
 from jobs.leases import HEARTBEAT_FRACTION, Lease, lease_ttl_s
 from jobs.manifest import JobManifest
+from jobs.metrics import WorkerMetrics
 from jobs.store.parts import Store
+from jobs.store.workers import WorkerRecord, write_worker_record
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +91,12 @@ class ShardRun:
 class EngineLoop:
     """The thread that owns the engine: admits shards, steps, routes finished outputs back."""
 
-    def __init__(self, make_engine: Callable[[], object], on_idle: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, make_engine: Callable[[], object], on_idle: Callable[[], None] = lambda: None,
+                 on_finished: Callable[[RequestOutput], None] = lambda out: None) -> None:
         self._make_engine = make_engine
         self.engine = make_engine()
         self._on_idle = on_idle
+        self._on_finished = on_finished  # every request the engine finishes, whoever owned it
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._owner: dict[str, ShardRun] = {}  # engine request id -> its shard run
         self._runs: dict[str, ShardRun] = {}  # key -> shard runs in the engine
@@ -197,6 +205,7 @@ class EngineLoop:
             self.engine = self._make_engine()
             return
         for out in finished:
+            self._on_finished(out)
             run = self._owner.pop(out.request_id, None)
             if run is None:
                 continue  # a request of a run already dropped
@@ -232,11 +241,16 @@ class WorkerRuntime:
 
     def __init__(self, config: EngineConfig, worker_id: str, data_dir: str | Path, *,
                  janitor: Callable[[], None] | None = None, janitor_interval_s: float | None = None,
-                 on_fatal: Callable[[], None] | None = None) -> None:
+                 on_fatal: Callable[[], None] | None = None, metrics: WorkerMetrics | None = None,
+                 record: WorkerRecord | None = None, on_tick: Callable[[], None] | None = None) -> None:
         self.config = config
         self.worker_id = worker_id
+        self.data_dir = data_dir
         self.store = Store(data_dir)
         self.telemetry = self.store.telemetry_buffer(worker_id)
+        self.metrics = metrics
+        self.record = record  # written on every heartbeat when given (jobs.store.workers)
+        self._on_tick = on_tick  # called every housekeeping tick (revoked tasks, ...)
         self.iterations = 0  # engine steps so far
         self._held: dict[str, _Held] = {}
         self._draining = threading.Event()  # shutting down: finish held shards, take no new ones
@@ -246,8 +260,9 @@ class WorkerRuntime:
         self._on_fatal = on_fatal  # called once if the engine loop dies (the worker process stops)
         ttl = lease_ttl_s()
         self._tick_s = min(ttl * HEARTBEAT_FRACTION, 1.0)
+        self._record_every_s = ttl * HEARTBEAT_FRACTION
         self._janitor_interval_s = janitor_interval_s or ttl / 2
-        self.loop = EngineLoop(self._make_engine, on_idle=self.telemetry.flush)
+        self.loop = EngineLoop(self._make_engine, on_idle=self._on_idle, on_finished=self._on_request)
         self._house = threading.Thread(target=self._housekeeping, name="worker-housekeeping", daemon=True)
 
     def _make_engine(self):
@@ -259,8 +274,20 @@ class WorkerRuntime:
         stats.worker_id = self.worker_id
         self.iterations += 1
         self.telemetry.append(stats)
+        if self.metrics is not None:
+            self.metrics.on_iteration(stats)
+
+    def _on_request(self, out: RequestOutput) -> None:
+        if self.metrics is not None:
+            self.metrics.on_request(out.metrics, out.finish_reason)
+
+    def _on_idle(self) -> None:
+        if self.metrics is not None:  # first: a reader that sees the flushed telemetry sees an idle engine
+            self.metrics.on_idle()
+        self.telemetry.flush()
 
     def start(self) -> WorkerRuntime:
+        self._write_record()
         self.loop.start()
         self._house.start()
         return self
@@ -269,6 +296,9 @@ class WorkerRuntime:
         self._stop.set()
         self.loop.stop(timeout=60)
         self._house.join(timeout=10)
+        if self.record is not None:
+            self.record.stopped_ts = time.time()
+            self._write_record()
 
     @property
     def draining(self) -> bool:
@@ -307,11 +337,15 @@ class WorkerRuntime:
         key = f"{job_id}:{lease.shard_id}:{lease.attempt}"
         with self._lock:
             self._held[key] = _Held(job_id, lease, cancel_marker)
+        if self.metrics is not None:
+            self.metrics.shard_started(job_id)
         try:
             yield
         finally:
             with self._lock:
                 self._held.pop(key, None)
+            if self.metrics is not None:
+                self.metrics.shard_ended(job_id)
 
     def run_shard(self, job_id: str, key: str, requests: list[EngineRequest]) -> ShardRun:
         """Hand a shard attempt's requests to the engine and wait until every one finished."""
@@ -329,7 +363,7 @@ class WorkerRuntime:
 
     # -- housekeeping
     def _housekeeping(self) -> None:
-        last_janitor = time.monotonic()
+        last_janitor = last_record = time.monotonic()
         while not self._stop.wait(self._tick_s):
             if not self.loop.alive:
                 self._give_up()
@@ -338,9 +372,24 @@ class WorkerRuntime:
                 held = list(self._held.values())
             for h in held:
                 self._tend(h)
+            if self._on_tick is not None:
+                self._guarded(self._on_tick, "a housekeeping hook failed")
+            if time.monotonic() - last_record >= self._record_every_s:
+                last_record = time.monotonic()
+                self._guarded(self._write_record, "writing the worker record failed")
             if self._janitor is not None and time.monotonic() - last_janitor >= self._janitor_interval_s:
                 last_janitor = time.monotonic()
-                self._run_janitor()
+                self._guarded(self._janitor, "re-queueing dead shards failed")
+
+    def _write_record(self) -> None:
+        """Stamp and write this worker's record (jobs.store.workers): its heartbeat for the dashboard."""
+        if self.record is None:
+            return
+        with self._lock:
+            self.record.shards_held = len(self._held)
+        self.record.heartbeat_ts = time.time()
+        self.record.iterations = self.iterations
+        write_worker_record(self.data_dir, self.record)
 
     def _give_up(self) -> None:
         """The engine loop died (an engine could not be rebuilt): stop taking shards."""
@@ -360,11 +409,12 @@ class WorkerRuntime:
         except OSError:
             log.exception("heartbeat of job %s shard %d failed", h.job_id, h.lease.shard_id)
 
-    def _run_janitor(self) -> None:
+    @staticmethod
+    def _guarded(work: Callable[[], None], what: str) -> None:
         try:
-            self._janitor()
-        except Exception:  # noqa: BLE001 - a failed sweep is retried at the next interval
-            log.exception("re-queueing dead shards failed")
+            work()
+        except Exception:  # noqa: BLE001 - retried at the next interval; housekeeping must go on
+            log.exception(what)
 
 
 _current: WorkerRuntime | None = None

@@ -1,4 +1,4 @@
-"""`batchgen status` and `batchgen retry`: job and shard progress from the views plus live leases.
+"""`batchgen status`, `cancel` and `retry`: job and shard progress from the views plus live leases.
 
 The `jobs`, `shards` and `outputs` views say what is committed; lease files add the rows finished
 so far by shards still running. Request counts follow OpenAI Batch's `request_counts`: total,
@@ -153,7 +153,22 @@ def _table(lines: list[tuple[str, ...]]) -> str:
                      for line in lines)
 
 
-# ---------------------------------------------------------------- retry
+# ---------------------------------------------------------------- cancel / retry
+
+
+def cancel_job(manifest: JobManifest, reason: str) -> bool:
+    """Cancel a job: queued shards are skipped, running ones stop within a heartbeat, finished rows stay.
+
+    The cancel marker is what workers act on; the store's cancel request is what the views show.
+    False (and nothing written) when the job was cancelled already.
+    """
+    paths = JobPaths.of(manifest.data_dir, manifest.job_id)
+    if paths.cancel_marker.exists():
+        return False
+    paths.cancel_marker.write_text(reason + "\n")
+    Store(manifest.data_dir).request_cancel(manifest.job_id, reason)
+    return True
+
 
 
 def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[int]:

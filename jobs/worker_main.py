@@ -17,9 +17,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import time
 
 from engine.config import EngineConfig
-from jobs.broker import BrokerSettings
+from jobs.broker import EMBEDDED, BrokerSettings
 
 log = logging.getLogger(__name__)
 
@@ -43,20 +45,29 @@ def _on_shutdown(runtime, sig: str | None) -> None:
 
 
 def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, worker_id: str,
-               concurrency: int, loglevel: str = "INFO") -> int:
-    """Serve shard tasks until shut down; the process exit code."""
+               concurrency: int, loglevel: str = "INFO", metrics_at: tuple[str, int] | None = None) -> int:
+    """Serve shard tasks until shut down; the process exit code. `metrics_at` (host, port): serve
+    Prometheus /metrics there (port 0 picks a free one; the worker's record says which)."""
     from celery import signals
 
-    from jobs.celery_app import make_app
+    from jobs.celery_app import make_app, worker_options
     from jobs.runtime import WorkerRuntime, set_runtime
     from jobs.supervise import maintenance
 
     app = make_app(settings)
+    _celery_notices_to_logging()
+    record = _record(config, settings, worker_id, concurrency)
+    metrics = _serve_metrics(worker_id, config, metrics_at, record) if metrics_at else None
+    if metrics_at and metrics is None:
+        return 1
     try:
         runtime = WorkerRuntime(config, worker_id, data_dir, janitor=maintenance(data_dir, settings),
-                                on_fatal=lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+                                on_fatal=lambda: os.kill(os.getpid(), signal.SIGTERM), metrics=metrics,
+                                record=record, on_tick=_revoke_watch(data_dir, settings)).start()
     except Exception as exc:  # noqa: BLE001 - e.g. a model that cannot be found or loaded
         log.error("worker %s cannot start its engine: %s", worker_id, exc)
+        if metrics is not None:
+            metrics.close()
         return 1
     set_runtime(runtime)
     signals.worker_shutting_down.connect(lambda sig=None, **_: _on_shutdown(runtime, sig), weak=False)
@@ -66,11 +77,67 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
     try:
         celery_worker = app.Worker(
             hostname=worker_id, pool="threads", concurrency=concurrency, queues=[settings.queue],
-            loglevel=loglevel, prefetch_multiplier=1, without_gossip=True, without_mingle=True,
-            without_heartbeat=True, quiet=True,
+            loglevel=loglevel, prefetch_multiplier=1, quiet=True, **worker_options(settings),
         )
         celery_worker.start()
         return celery_worker.exitcode or 0
     finally:
         runtime.stop()
         set_runtime(None)
+        if metrics is not None:
+            metrics.close()
+
+
+def _celery_notices_to_logging() -> None:
+    """Celery writes its shutdown notices ("worker: Warm shutdown (MainProcess)") straight to the
+    terminal, past logging, so that eventlet/gevent patching cannot break them; this worker runs
+    neither, so they go through logging and `--log-format json` holds for every line. A revoke's
+    warning about the missing result backend is dropped."""
+    import celery.apps.worker as celery_worker
+
+    notices = logging.getLogger("celery.apps.worker")
+    celery_worker.safe_say = lambda msg, f=None: notices.warning(msg)
+    logging.getLogger("celery.worker.control").addFilter(_no_backend_to_mark)
+
+
+def _no_backend_to_mark(record: logging.LogRecord) -> bool:
+    """Celery warns on every `revoke` that it could not mark the task revoked in the result backend;
+    batchgen keeps results in the store and runs no backend by design, so that warning says nothing."""
+    return "No result backend is configured" not in record.getMessage()
+
+
+def _record(config: EngineConfig, settings: BrokerSettings, worker_id: str, concurrency: int):
+    from jobs.leases import lease_ttl_s
+    from jobs.store.workers import WorkerRecord
+
+    now = time.time()
+    return WorkerRecord(worker_id, socket.gethostname(), os.getpid(), now, now, lease_ttl_s(),
+                        model=config.model, queue=settings.queue, broker=settings.display_url,
+                        concurrency=concurrency)
+
+
+def _serve_metrics(worker_id: str, config: EngineConfig, at: tuple[str, int], record):
+    """The worker's metrics, served on `at`; None (after saying why) when the port cannot be bound."""
+    from jobs.metrics import WorkerMetrics
+
+    host, port = at
+    metrics = WorkerMetrics(worker_id, config)
+    try:
+        bound = metrics.serve(host, port)
+    except OSError as exc:
+        log.error("worker %s cannot serve metrics on --metrics-host %s --metrics-port %d: %s", worker_id,
+                  host, port, exc)
+        return None
+    shown = socket.gethostname() if host in ("", "0.0.0.0", "::") else host
+    record.metrics_url = f"http://{f'[{shown}]' if ':' in shown else shown}:{bound}/metrics"
+    log.info("worker %s: Prometheus metrics on %s", worker_id, record.metrics_url)
+    return metrics
+
+
+def _revoke_watch(data_dir: str, settings: BrokerSettings):
+    """Where workers hear remote control (Redis, RabbitMQ): cancel the jobs of revoked shard tasks."""
+    if settings.kind == EMBEDDED:
+        return None
+    from jobs.revoke import RevokeWatcher, celery_revoked_ids
+
+    return RevokeWatcher(data_dir, celery_revoked_ids).check

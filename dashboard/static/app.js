@@ -165,5 +165,111 @@ const bg = (() => {
 
   const axisStyle = { stroke: "#687185", grid: { stroke: "#eceef2", width: 1 }, ticks: { stroke: "#e1e4ea", width: 1 } };
 
-  return { fmt, getJSON, el, colors, alpha, chart, chartError, markersPlugin, pointLabelsPlugin, axisStyle, missing };
+  /* Axis size that fits its widest tick label plus its title: labels never run into the title. */
+  function fitAxisSize(u, values, axisIdx, cycleNum) {
+    const axis = u.axes[axisIdx];
+    if (cycleNum > 1) return axis._size; // uPlot re-asks until sizes settle: keep the first fit
+    let widest = 0;
+    if (values) {
+      u.ctx.save();
+      u.ctx.font = axis.font[0];
+      for (const v of values) widest = Math.max(widest, u.ctx.measureText(String(v ?? "")).width);
+      u.ctx.restore();
+    }
+    const title = axis.label ? (axis.labelSize ?? 30) : 0;
+    return Math.ceil(widest / devicePixelRatio + axis.ticks.size + axis.gap + title + 6);
+  }
+
+  /* Local wall-clock time of epoch seconds, to the precision a tick increment needs. */
+  function clockLabel(ts, incr) {
+    const d = new Date(ts * 1000);
+    const two = (n) => String(n).padStart(2, "0");
+    const hm = `${two(d.getHours())}:${two(d.getMinutes())}`;
+    if (incr >= 60) return hm;
+    const hms = `${hm}:${two(d.getSeconds())}`;
+    if (incr >= 1) return hms;
+    const digits = incr >= 0.1 ? 1 : incr >= 0.01 ? 2 : 3;
+    return `${hms}.${String(d.getMilliseconds()).padStart(3, "0").slice(0, digits)}`;
+  }
+
+  /* A time x axis with one-line labels, spaced so the widest label for the increment fits. */
+  const timeAxis = {
+    ...axisStyle,
+    space: 84, // px between ticks at least: "00:00:00.00" at 12px is ~70px
+    values: (u, splits, axisIdx, space, incr) => splits.map((v) => clockLabel(v, incr)),
+  };
+
+  /* The last value of a series that is not null (what its legend shows when the cursor is away). */
+  function lastValue(values) {
+    for (let i = (values || []).length - 1; i >= 0; i--) if (!missing(values[i])) return values[i];
+    return null;
+  }
+
+  /* A legend formatter that shows the series' latest value while the cursor is not on the chart. */
+  const latest = (format) => (u, v, sidx, idx) => format(idx === null || idx === undefined ? lastValue(u.data[sidx]) : v);
+
+  /* The x series of a time chart: its legend reads "latest" (and when) away from the cursor. */
+  const timeSeries = {
+    label: "time",
+    value: (u, v, sidx, idx) => {
+      if (idx === null || idx === undefined) {
+        const t = lastValue(u.data[0]);
+        return t === null ? DASH : `latest (${clockLabel(t, 1)})`;
+      }
+      return missing(v) ? DASH : new Date(v * 1000).toLocaleString();
+    },
+  };
+
+  /* Charts that share one time axis: the same range at first, hover in step, a drag-zoom on one
+     zooms all, double-click resets them all. Add `group.opts` to each chart's options and call
+     `group.fit()` after (re)loading their data (new data resets a chart's range to its own). */
+  function timeGroup(key) {
+    const members = new Set();
+    let zoom = null; // [min, max] a user zoomed to, or null for the whole extent
+
+    function extent() {
+      let lo = Infinity, hi = -Infinity;
+      for (const u of members) {
+        const xs = u.data[0];
+        if (xs && xs.length) { lo = Math.min(lo, xs[0]); hi = Math.max(hi, xs[xs.length - 1]); }
+      }
+      return lo <= hi ? [lo, hi > lo ? hi : lo + 1] : null;
+    }
+
+    function fit() {
+      const range = zoom || extent();
+      if (!range) return;
+      for (const u of members) {
+        u.setScale("x", { min: range[0], max: range[1] });
+        if (u.cursor.idx === null || u.cursor.idx === undefined) u.setLegend({ idx: null }); // new data: new latest
+      }
+    }
+
+    const opts = {
+      cursor: {
+        sync: { key, setSeries: false },
+        drag: { x: true, y: false, setScale: false }, // the selection hook zooms every member
+        bind: { dblclick: () => () => { zoom = null; fit(); return null; } },
+      },
+      hooks: {
+        ready: [(u) => { members.add(u); fit(); }],
+        destroy: [(u) => members.delete(u)],
+        setSelect: [(u) => {
+          if (u.select.width < 2) return;
+          zoom = [u.posToVal(u.select.left, "x"), u.posToVal(u.select.left + u.select.width, "x")];
+          u.setSelect({ left: 0, width: 0, top: 0, height: 0 }, false);
+          fit();
+        }],
+      },
+    };
+    return { opts, fit };
+  }
+
+  /* The uPlot instance drawn in a container (the browser tests read axes and legends through it). */
+  const chartOf = (container) => charts.get(container) || null;
+
+  return {
+    fmt, getJSON, el, colors, alpha, chart, chartError, chartOf, markersPlugin, pointLabelsPlugin, axisStyle,
+    missing, fitAxisSize, timeAxis, timeSeries, timeGroup, latest, lastValue,
+  };
 })();

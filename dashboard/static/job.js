@@ -3,34 +3,42 @@
 
 (() => {
   const root = document.getElementById("job-page");
-  const { chart, chartError, colors, alpha, fmt, axisStyle, markersPlugin } = bg;
+  const { chart, chartError, colors, alpha, fmt, axisStyle, markersPlugin, latest } = bg;
   const $ = (id) => document.getElementById(id);
 
   // every quantity drawn is >= 0: start the y axis at 0 so heights compare
   const fromZero = { range: (u, lo, hi) => [0, hi > 0 ? hi * 1.08 : 1] };
   const timeX = { x: { time: true }, y: fromZero };
-  const xAxis = { ...axisStyle };
-  const yAxis = (label, extra = {}) => ({ ...axisStyle, label, labelSize: 18, size: 56, values: (u, v) => v.map(fmt.compact), ...extra });
+  // the four time charts share one x range: zoom one, all follow (bg.timeGroup)
+  const timeline = bg.timeGroup("job-time");
+  const xAxis = bg.timeAxis;
+  const yAxis = (label, extra = {}) => ({ ...axisStyle, label, labelSize: 18, size: bg.fitAxisSize, values: (u, v) => v.map(fmt.compact), ...extra });
   // engine values hold from one iteration to the next: draw them as steps
   const steps = uPlot.paths.stepped({ align: 1 });
   const line = (label, color, extra = {}) => ({ label, stroke: color, width: 1.5, points: { show: false }, ...extra });
   const stepLine = (label, color, extra = {}) => line(label, color, { paths: steps, ...extra });
   const area = (label, color, extra = {}) => line(label, color, { fill: alpha(color, 0.18), ...extra });
   const dashed = (label, color, extra = {}) => line(label, color, { dash: [6, 4], width: 1.2, ...extra });
-  const valueFmt = (digits) => (u, v) => (v === null || v === undefined ? "–" : fmt.num(v, digits));
+  // legends show each series' latest value until the cursor points at another time
+  const valueFmt = (digits) => latest((v) => fmt.num(v, digits));
+  // right padding: the last tick's label is centred on it and must not run off the canvas
+  const timeChart = (id, opts, data, emptyText) => chart($(id), {
+    ...timeline.opts, padding: [null, opts.axes.length > 2 ? null : 40, null, null], ...opts,
+    series: [bg.timeSeries, ...opts.series.slice(1)],
+  }, data, emptyText);
 
   function drawThroughput(tp) {
     const s = tp.series;
-    chart($("chart-throughput"), {
+    timeChart("chart-throughput", {
       scales: timeX,
-      series: [{}, area("output tok/s", colors.blue, { value: (u, v) => fmt.rate(v) })],
+      series: [{}, area("output tok/s", colors.blue, { value: latest(fmt.rate) })],
       axes: [xAxis, yAxis("tokens / s")],
     }, [s.ts, s.output_tokens_per_s], "no tokens generated yet");
   }
 
   function drawConcurrency(it) {
     const s = it.series;
-    chart($("chart-concurrency"), {
+    timeChart("chart-concurrency", {
       scales: timeX,
       series: [{},
         stepLine("job requests outstanding", colors.orange, { width: 2, value: valueFmt(0) }),
@@ -44,7 +52,7 @@
 
   function drawBudget(it) {
     const s = it.series;
-    chart($("chart-budget"), {
+    timeChart("chart-budget", {
       scales: timeX,
       series: [{},
         area("prefill + decode", colors.teal, { paths: steps, value: valueFmt(1) }),
@@ -56,7 +64,7 @@
 
   function drawKv(it) {
     const s = it.series;
-    chart($("chart-kv"), {
+    timeChart("chart-kv", {
       scales: { ...timeX, p: { range: (u, lo, hi) => [0, Math.max(hi, 1) * 1.2] } },
       series: [{},
         area("KV blocks used", colors.purple, { paths: steps, value: valueFmt(0) }),
@@ -64,7 +72,7 @@
         { label: "preempted", stroke: colors.red, fill: alpha(colors.red, 0.6), scale: "p", width: 0,
           paths: uPlot.paths.bars({ size: [0.9, 6] }), points: { show: false }, value: valueFmt(0) }],
       axes: [xAxis, yAxis("KV blocks"),
-        { ...axisStyle, scale: "p", side: 1, label: "preempted", labelSize: 18, size: 44, grid: { show: false },
+        { ...axisStyle, scale: "p", side: 1, label: "preempted", labelSize: 18, size: bg.fitAxisSize, grid: { show: false },
           incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000], values: (u, v) => v.map(fmt.compact) }],
     }, s.ts ? [s.ts, s.kv_blocks_used, s.kv_blocks_total, s.num_preempted] : [[]], "no engine iterations yet");
   }
@@ -83,7 +91,7 @@
       series: [{ value: (u, v) => fmt.duration(v) },
         { label: "requests", stroke: colors.blue, fill: alpha(colors.blue, 0.45), width: 1,
           paths: uPlot.paths.bars({ size: [0.92, Infinity], align: 0 }), points: { show: false } }],
-      axes: [{ ...axisStyle, values: (u, v) => v.map(fmt.axisDuration) }, yAxis("requests", { size: 44 })],
+      axes: [{ ...axisStyle, space: 64, values: (u, v) => v.map(fmt.axisDuration) }, yAxis("requests")],
       plugins: [markersPlugin(markers)],
       legend: { show: false },
     }, [centers, h.count], "no finished requests yet");
@@ -115,7 +123,7 @@
       load(root.dataset.apiLatency, (lat) => {
         for (const metric of ["ttft_s", "itl_s", "e2e_s"]) drawHistogram(metric, lat[metric]);
       }, ["chart-ttft_s", "chart-itl_s", "chart-e2e_s"]),
-    ]);
+    ]).then(() => timeline.fit()); // new data resets each chart's range: bring them back in line
   }
 
   const shown = {

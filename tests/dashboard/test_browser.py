@@ -18,6 +18,7 @@ import pytest
 from werkzeug.serving import make_server
 
 from dashboard import create_app
+from dashboard.formatting import fmt_rate
 from jobs.store.parts import Store
 from jobs.store.schemas import JobRecord, ShardEvent
 from tests.dashboard import synthetic
@@ -31,8 +32,8 @@ LAUNCH_ARGS = [
     "--disable-component-update", "--disable-sync",
     "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
 ]
-JOB_CHARTS = ["chart-throughput", "chart-concurrency", "chart-budget", "chart-kv",
-              "chart-ttft_s", "chart-itl_s", "chart-e2e_s"]
+TIME_CHARTS = ["chart-throughput", "chart-concurrency", "chart-budget", "chart-kv"]
+JOB_CHARTS = [*TIME_CHARTS, "chart-ttft_s", "chart-itl_s", "chart-e2e_s"]
 
 # For each chart container: [id, points drawn, painted pixels of its canvas]
 CHART_STATE_JS = """(ids) => ids.map((id) => {
@@ -44,6 +45,48 @@ CHART_STATE_JS = """(ids) => ids.map((id) => {
     for (let i = 3; i < data.length; i += 4) if (data[i] !== 0) painted++;
     return [id, Number(box.dataset.points), painted];
 })"""
+
+
+# Every drawn axis tick label as a box in the canvas (CSS px): overlapping boxes, boxes running off
+# the canvas, and y labels running into their axis title are returned as problems.
+AXIS_LABEL_PROBLEMS_JS = """(ids) => {
+    const problems = [];
+    const ctx = document.createElement("canvas").getContext("2d");
+    for (const id of ids) {
+        const u = bg.chartOf(document.getElementById(id));
+        if (!u) { problems.push(`${id}: no chart`); continue; }
+        const px = devicePixelRatio;
+        u.axes.forEach((axis, i) => {
+            if (!axis.show || !axis._values) return;
+            ctx.font = axis.font[0];
+            const horizontal = axis.side % 2 === 0;
+            const boxes = axis._splits.map((v, k) => {
+                const text = String(axis._values[k] ?? "");
+                if (!text) return null;
+                const w = ctx.measureText(text).width / px, h = axis.font[1] / px;
+                const at = u.valToPos(v, axis.scale) + (horizontal ? u.bbox.left : u.bbox.top) / px;
+                return { text, lo: at - (horizontal ? w : h) / 2, hi: at + (horizontal ? w : h) / 2, w };
+            }).filter((b) => b && b.hi >= 0 && b.lo <= (horizontal ? u.width : u.height));
+            const limit = horizontal ? u.width : u.height;
+            const room = axis._size - axis.ticks.size - axis.gap - (axis.label ? axis.labelSize : 0);
+            const say = (text) => problems.push(`${id} axis ${i}: ${text}`);
+            boxes.sort((a, b) => a.lo - b.lo).forEach((b, k) => {
+                if (k > 0 && b.lo < boxes[k - 1].hi + 1) say(`"${boxes[k - 1].text}" overlaps "${b.text}"`);
+                if (b.lo < 0 || b.hi > limit) say(`"${b.text}" runs off the canvas`);
+                if (!horizontal && b.w > room) say(`"${b.text}" runs into the axis title`);
+            });
+        });
+    }
+    return problems;
+}"""
+
+# The time charts' x ranges [min, max]
+X_RANGES_JS = "(ids) => ids.map((id) => { const u = bg.chartOf(document.getElementById(id)); " \
+              "return [u.scales.x.min, u.scales.x.max]; })"
+
+# Each time chart's legend: [series label, shown value] pairs
+LEGENDS_JS = """(ids) => ids.map((id) => [...document.querySelectorAll(`#${id} .u-legend .u-series`)]
+    .map((row) => [row.querySelector('.u-label').textContent, row.querySelector('.u-value').textContent]))"""
 
 
 def require_chromium() -> None:
@@ -82,8 +125,8 @@ def browser():
 class Page:
     """A browser tab that records console errors, page errors and failed requests."""
 
-    def __init__(self, browser) -> None:
-        self.context = browser.new_context(viewport={"width": 1400, "height": 900})
+    def __init__(self, browser, width: int = 1400) -> None:
+        self.context = browser.new_context(viewport={"width": width, "height": 900})
         self.tab = self.context.new_page()
         self.problems: list[str] = []
         self.tab.on("console", lambda m: self.problems.append(f"console {m.type}: {m.text}")
@@ -115,6 +158,13 @@ def page(browser):
     tab.context.close()
 
 
+@pytest.fixture(params=[1400, 1000], ids=lambda w: f"{w}px")
+def sized_page(request, browser):
+    tab = Page(browser, request.param)
+    yield tab
+    tab.context.close()
+
+
 def test_jobs_page_and_a_finished_job(page, job_data_dir, tmp_path):
     app = create_app({"DATA_DIR": job_data_dir})
     with serve(app) as base:
@@ -132,6 +182,57 @@ def test_jobs_page_and_a_finished_job(page, job_data_dir, tmp_path):
         assert page.tab.locator("#outputs-table tbody tr").count() == 16
         page.screenshot(tmp_path / "job.png")
     assert page.problems == []
+
+
+@pytest.mark.parametrize("which", ["small", "big"])
+def test_job_charts_share_one_time_axis_with_labels_apart(sized_page, which, job_data_dir, big_data_dir,
+                                                          tmp_path):
+    """Axis labels never overlap (nor leave the canvas), the time charts span one range, a drag-zoom on one
+    zooms all and a double-click resets them, and legends show the latest values until hovered."""
+    data_dir, job_id = (job_data_dir, JOB_ID) if which == "small" else (big_data_dir, synthetic.JOB_ID)
+    app = create_app({"DATA_DIR": data_dir})
+    page = sized_page
+    with serve(app) as base:
+        page.open(f"{base}/jobs/{job_id}")
+        page.tab.wait_for_selector('main[data-charts-ready="1"]', timeout=30_000)
+        assert page.tab.evaluate(AXIS_LABEL_PROBLEMS_JS, JOB_CHARTS) == []
+        full = page.tab.evaluate(X_RANGES_JS, TIME_CHARTS)
+        assert all(r == full[0] for r in full), full
+
+        legends = page.tab.evaluate(LEGENDS_JS, TIME_CHARTS)
+        for legend in legends:
+            assert legend[0][1].startswith("latest ("), legend
+            assert all(value not in ("", "–") for _, value in legend[1:]), legend
+        throughput = as_json_get(app, f"/api/jobs/{job_id}/throughput")["series"]["output_tokens_per_s"]
+        assert dict(legends[0])["output tok/s"] == fmt_rate(throughput[-1])
+
+        over = page.tab.locator("#chart-budget .u-over")
+        box = over.bounding_box()
+        mid = box["y"] + box["height"] / 2
+        page.tab.mouse.move(box["x"] + box["width"] * 0.5, mid)
+        hovered = page.tab.evaluate(LEGENDS_JS, ["chart-throughput"])[0]
+        assert not hovered[0][1].startswith("latest"), "the cursor's time shows while hovering"
+        page.tab.mouse.move(box["x"] + box["width"] * 0.25, mid)
+        page.tab.mouse.down()
+        page.tab.mouse.move(box["x"] + box["width"] * 0.6, mid, steps=5)
+        page.tab.mouse.up()
+        zoomed = page.tab.evaluate(X_RANGES_JS, TIME_CHARTS)
+        assert all(r == zoomed[0] for r in zoomed), zoomed
+        assert full[0][0] < zoomed[0][0] < zoomed[0][1] < full[0][1]
+        assert page.tab.evaluate(AXIS_LABEL_PROBLEMS_JS, TIME_CHARTS) == []
+        page.screenshot(tmp_path / f"zoomed-{which}.png")
+
+        page.tab.mouse.dblclick(box["x"] + box["width"] * 0.5, mid)
+        assert page.tab.evaluate(X_RANGES_JS, TIME_CHARTS) == full
+        page.tab.mouse.move(0, 0)
+        assert page.tab.evaluate(LEGENDS_JS, TIME_CHARTS) == legends
+    assert page.problems == []
+
+
+def as_json_get(app, url: str) -> dict:
+    response = app.test_client().get(url)
+    assert response.status_code == 200, url
+    return response.get_json()
 
 
 def test_workers_and_sql_pages(page, job_data_dir, tmp_path):

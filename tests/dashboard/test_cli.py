@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -11,7 +13,9 @@ import urllib.error
 import urllib.request
 
 import pytest
+from click.testing import CliRunner
 
+from jobs.cli import cli
 from tests.dashboard.conftest import JOB_ID
 
 
@@ -96,3 +100,47 @@ def test_serving_pages_never_imports_torch(job_data_dir):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_command_serves_with_waitress_and_logs_json(job_data_dir):
+    """Production server by default; --port 0 binds a free port and the JSON log line says which."""
+    cmd = [sys.executable, "-m", "jobs.cli", "dashboard", "--data-dir", str(job_data_dir), "--port", "0",
+           "--log-format", "json"]
+    env = {k: v for k, v in os.environ.items() if k != "BATCHGEN_DASHBOARD_TOKEN"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert (first["level"], first["logger"]) == ("INFO", "dashboard.cli")
+        assert "waitress" in first["message"]
+        base = re.search(r"http://127\.0\.0\.1:\d+", first["message"]).group(0)
+        wait_until_up(proc, base + "/api/jobs")
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as response:
+            assert response.headers["Server"] == "waitress"
+            assert b"batchgen:jobs" in response.read()
+    finally:
+        stop(proc)
+
+
+def test_dev_flag_serves_with_werkzeugs_reloader(job_data_dir, monkeypatch):
+    import werkzeug.serving
+
+    calls = []
+    monkeypatch.setattr(werkzeug.serving, "run_simple", lambda *a, **kw: calls.append((a, kw)))
+    args = ["dashboard", "--dev", "--data-dir", str(job_data_dir), "--port", "8999"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    [(args, kwargs)] = calls
+    assert args[:2] == ("127.0.0.1", 8999)
+    assert kwargs["use_reloader"] is True and kwargs["use_debugger"] is False
+
+
+def test_a_taken_port_exits_1_naming_it(job_data_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "jobs.cli", "dashboard", "--data-dir", str(job_data_dir),
+               "--port", str(port)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot serve on --host 127.0.0.1 --port {port}" in done.stderr

@@ -12,10 +12,11 @@ import pytest
 
 from dashboard import create_app
 from dashboard.formatting import fmt_duration, fmt_num, fmt_rate
-from engine.stats import RequestStats
+from engine.stats import IterationStats, RequestStats
 from jobs.store.layout import init_data_dir
 from jobs.store.parts import Store
 from jobs.store.schemas import JobRecord, ShardEvent
+from jobs.store.workers import WorkerRecord, write_worker_record
 from tests.dashboard.conftest import JOB_ID, as_json, sql, sql_one
 
 PAGES = ["/", f"/jobs/{JOB_ID}", "/workers", "/sweeps", "/sql"]
@@ -272,3 +273,32 @@ def test_progress_of_a_running_attempt_shows_before_its_commit(tmp_path):
     committed = sql_one(tmp_path, "SELECT rows_done FROM jobs")["rows_done"]
     live = sql_one(tmp_path, "SELECT count(*) AS n FROM requests_live WHERE job_id = 'running-job'")["n"]
     assert (committed, live) == (3, 4)
+
+
+def test_workers_show_running_idle_and_gone_with_when(tmp_path):
+    """Liveness comes from worker records: a stopped or silent worker is gone, with when, never idle."""
+    now = time.time()
+    records = {"busy": dict(heartbeat_ts=now - 1, shards_held=2), "idle": dict(heartbeat_ts=now - 2),
+               "lost": dict(heartbeat_ts=now - 300),
+               "stopped": dict(heartbeat_ts=now - 120, stopped_ts=now - 120)}
+    for name, fields in records.items():
+        url = f"http://host-a:9400/metrics?{name}"
+        write_worker_record(tmp_path, WorkerRecord(name, "host-a", 7, now - 900, ttl_s=30.0, model="m",
+                                                   metrics_url=url, **fields))
+    with Store(tmp_path).telemetry_buffer("old-telemetry-only") as buf:  # no record: judged by its iterations
+        buf.append(IterationStats(ts=now - 600, duration_s=0.1, num_running=1, kv_blocks_total=8))
+    client = create_app({"TESTING": True, "DATA_DIR": tmp_path}).test_client()
+    workers = {w["worker_id"]: w for w in as_json(client.get("/api/workers"))["workers"]}
+    got = {w: (v["state"], v["gone_reason"]) for w, v in workers.items()}
+    assert got == {"busy": ("running", None), "idle": ("idle", None), "lost": ("gone", "lost"),
+                   "stopped": ("gone", "stopped"), "old-telemetry-only": ("gone", "silent")}
+    assert workers["lost"]["gone_since_ts"] == pytest.approx(now - 300)
+    assert workers["stopped"]["gone_since_ts"] == pytest.approx(now - 120)
+    assert workers["old-telemetry-only"]["gone_since_ts"] == pytest.approx(now - 599.9)
+    assert [w["worker_id"] for w in as_json(client.get("/api/workers"))["workers"]][:2] == ["busy", "idle"]
+    page = client.get("/workers").get_data(as_text=True)
+    for name, (state, _) in got.items():
+        assert re.search(rf'data-worker-id="{re.escape(name)}" data-state="{state}"', page), name
+    assert re.search(r'class="gone-note"[^>]*>stopped 2m 0[0-9]s ago<br>', page)
+    assert re.search(r'class="gone-note"[^>]*>heartbeat lost 5m 0[0-9]s ago<br>', page)
+    assert 'href="http://host-a:9400/metrics?busy"' in page

@@ -168,3 +168,23 @@ def test_run_with_a_model_that_cannot_load_fails_with_exit_1(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "worker 0 exited with code 1" in proc.stderr and "cannot start its engine" in proc.stderr
+
+
+@pytest.mark.slow
+def test_run_with_json_logs_writes_only_json_to_stderr_and_its_workers_too(tmp_path):
+    src = _write(tmp_path / "in.parquet", prompt=prompts(4))
+    env = dict(os.environ, BATCHGEN_LEASE_TTL_S=LEASE_TTL_S, OMP_NUM_THREADS="1")
+    env.pop("BATCHGEN_BROKER_URL", None)
+    cmd = [sys.executable, "-m", "jobs.cli", "run", src, "--model", MODEL, "--data-dir",
+           str(tmp_path / "data"), "--max-tokens", "4", "--shard-size", "2", "--job-id", "json-job",
+           "--log-format", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    entries = [json.loads(line) for line in proc.stderr.splitlines() if line.strip()]  # no progress bar
+    final = [e for e in entries if e["logger"] == "jobs.local_run"][-1]
+    assert (final["job_id"], final["rows_done"], final["num_requests"], final["shards_committed"]) == \
+        ("json-job", 4, 4, 2)
+    assert "rows: 4 ok" in proc.stdout, "the summary is the command's output, not a log"
+    worker_log = tmp_path / "data" / "jobs" / "json-job" / "logs" / "worker-0.log"
+    lines = [line for line in worker_log.read_text().splitlines() if line.strip()]
+    assert lines and all(json.loads(line)["pid"] for line in lines)
