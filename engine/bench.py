@@ -3,7 +3,8 @@
 Prints output tokens/s, processed (prompt + output) tokens/s, model-FLOP utilisation against a GEMM
 peak measured in the same run, TTFT and ITL p50/p99. `--baseline hf` also runs transformers with
 static batching (padded batches, each run to its longest member) on the same workload in the same
-process and prints the ratio. Numbers, not pass/fail: this is not a timed test.
+process, `--baseline vllm` vLLM's CPU backend in a subprocess of its own venv (engine/vllm_baseline.py),
+and each prints its ratio. Numbers, not pass/fail: this is not a timed test.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class BenchResult:
     mean_budget_utilisation: float = 0.0  # scheduled_tokens / token_budget per iteration
     num_preemptions: int = 0
     num_iterations: int = 0
+    peak_rss_mb: float = 0.0  # the engine's process (all of vLLM's, for its baseline) at its highest
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -159,6 +161,39 @@ def run_engine(llm, workload: Workload, peak: float, name: str = "batchgen", tem
         mean_budget_utilisation=statistics.fmean(s.scheduled_tokens / s.token_budget for s in stats)
         if stats else 0.0,
         num_preemptions=sum(s.num_preempted for s in stats), num_iterations=len(stats),
+        peak_rss_mb=peak_rss_mb(),
+    )
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (ru_maxrss, as VmHWM), MiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_vllm(model_dir: str, workload: Workload, config, peak: float, args) -> BenchResult:
+    """vLLM's CPU backend on the workload, in its own venv (engine/vllm_baseline.py)."""
+    from engine import vllm_baseline
+
+    spec = vllm_baseline.make_spec(model_dir, workload.prompts, workload.output_lens, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.dtype, config.max_model_len)
+    try:
+        got = vllm_baseline.run(spec)
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    return baseline_result("vllm-cpu", got, workload, peak, args)
+
+
+def baseline_result(name: str, got: dict, workload: Workload, peak: float, args) -> BenchResult:
+    """A BenchResult from a subprocess's elapsed time, output tokens and peak RSS."""
+    elapsed, out_tokens = got["elapsed_s"], got["output_tokens"]
+    return BenchResult(
+        name=name, elapsed_s=elapsed, num_requests=len(workload.prompts),
+        prompt_tokens=workload.prompt_tokens, output_tokens=out_tokens,
+        output_tokens_per_s=out_tokens / elapsed,
+        processed_tokens_per_s=(workload.prompt_tokens + out_tokens) / elapsed,
+        mfu=_model_flops(args, workload) / elapsed / peak if peak else 0.0, peak_rss_mb=got["peak_rss_mb"],
     )
 
 
@@ -200,7 +235,8 @@ def format_table(results: list[BenchResult]) -> str:
     cols = [("name", "{}"), ("elapsed_s", "{:.2f}"), ("output_tokens_per_s", "{:.1f}"),
             ("processed_tokens_per_s", "{:.1f}"), ("mfu", "{:.3f}"), ("ttft_p50_s", "{:.3f}"),
             ("ttft_p99_s", "{:.3f}"), ("itl_p50_s", "{:.4f}"), ("itl_p99_s", "{:.4f}"),
-            ("mean_running", "{:.1f}"), ("mean_budget_utilisation", "{:.2f}"), ("num_preemptions", "{}")]
+            ("mean_running", "{:.1f}"), ("mean_budget_utilisation", "{:.2f}"), ("num_preemptions", "{}"),
+            ("peak_rss_mb", "{:.0f}")]
     rows = [[c for c, _ in cols]] + [[f.format(getattr(r, c)) for c, f in cols] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows)
@@ -241,8 +277,9 @@ def build_llm(config, checkpoint=None):
 @click.command()
 @engine_options
 @workload_options
-@click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
-              help="also run transformers static batching on the same workload")
+@click.option("--baseline", type=click.Choice(["none", "hf", "vllm", "all"]), default="none",
+              help="also run transformers static batching (hf) and/or vLLM's CPU backend (vllm, from "
+                   "`make vllm-baseline`) on the same workload")
 @click.option("--hf-batch-size", type=int, default=16, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="print results as JSON")
 def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, hf_batch_size, as_json,
@@ -258,9 +295,11 @@ def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, h
     warm = make_workload(4, (8, 32), (4, 8), args.vocab_size, seed + 1)
     llm.generate(warm.prompts, SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     results = [run_engine(llm, workload, peak)]
-    if baseline == "hf":
-        model_dir = _hf_dir(llm.config.model)
-        results.append(run_hf_static(model_dir, workload, hf_batch_size, peak, args, llm.config.dtype))
+    if baseline in ("hf", "all"):
+        results.append(run_hf_static(_hf_dir(llm.config.model), workload, hf_batch_size, peak, args,
+                                     llm.config.dtype))
+    if baseline in ("vllm", "all"):
+        results.append(run_vllm(_hf_dir(llm.config.model), workload, llm.config, peak, args))
     _print(results, peaks, workload, as_json)
 
 
@@ -269,7 +308,7 @@ def _hf_dir(model: str) -> str:
 
     resolved = resolve_model(model)
     if resolved.kind != "hf_dir":
-        raise click.UsageError(f"--baseline hf needs a model with a Hugging Face directory; {model!r} is "
+        raise click.UsageError(f"--baseline needs a model with a Hugging Face directory; {model!r} is "
                                f"{resolved.kind}")
     return str(resolved.path)
 
@@ -285,6 +324,6 @@ def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json:
     each = ", ".join(f"{name} {value / 1e9:.1f}" for name, value in peaks.items())
     click.echo(f"measured GEMM peak: {peak / 1e9:.1f} GFLOP/s (best of {each}; MFU is against it)")
     click.echo(format_table(results))
-    if len(results) == 2:
-        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
-        click.echo(f"output tokens/s ratio batchgen / {results[1].name}: {ratio:.2f}x")
+    for other in results[1:]:
+        ratio = results[0].output_tokens_per_s / other.output_tokens_per_s
+        click.echo(f"output tokens/s ratio batchgen / {other.name}: {ratio:.2f}x")
