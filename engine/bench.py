@@ -300,7 +300,7 @@ def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, h
                                      llm.config.dtype))
     if baseline in ("vllm", "all"):
         results.append(run_vllm(_hf_dir(llm.config.model), workload, llm.config, peak, args))
-    _print(results, peaks, workload, as_json)
+    _print(results, peaks, workload, as_json, llm.config)
 
 
 def _hf_dir(model: str) -> str:
@@ -313,12 +313,14 @@ def _hf_dir(model: str) -> str:
     return str(resolved.path)
 
 
-def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json: bool) -> None:
+def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json: bool, config) -> None:
     peak = max(peaks.values())
     if as_json:
-        report = {"gemm_peak_flops": peak, "gemm_peaks": peaks, "results": [asdict(r) for r in results]}
+        report = {"gemm_peak_flops": peak, "gemm_peaks": peaks, "dtype": config.dtype,
+                  "dtype_reason": config.dtype_reason, "results": [asdict(r) for r in results]}
         click.echo(json.dumps(report, indent=2))
         return
+    click.echo(f"dtype: {config.dtype} ({config.dtype_reason})")
     click.echo(f"workload: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt tokens, "
                f"{workload.output_tokens} output tokens (seed {workload.seed})")
     each = ", ".join(f"{name} {value / 1e9:.1f}" for name, value in peaks.items())

@@ -2,8 +2,9 @@
 
 Fields left at None (or dtype "auto") take the defaults of the device they run on: the CPU's were
 measured on 2 cores (the sweep's knee), the GPU's are sized for one large GPU (bf16, the batch and
-token budget nano-vllm and vLLM use). After construction every such field holds its resolved value,
-so what a config says is what the engine runs.
+token budget nano-vllm and vLLM use). dtype "auto" on the CPU is bf16 where the CPU has native bf16
+(AVX512-BF16 or AMX), else fp32 (kernels/cpu_features.py); `dtype_reason` says why. After
+construction every such field holds its resolved value, so what a config says is what the engine runs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ _POLICIES = ("fcfs", "priority")
 
 # device kind -> (max_num_seqs, max_num_batched_tokens, dtype)
 DEVICE_DEFAULTS = {
-    "cpu": (128, 8192, "float32"),  # the sweep's best on 2 cores
+    "cpu": (128, 8192, "auto"),  # the sweep's best on 2 cores; dtype from the CPU's features
     "cuda": (256, 16384, "bfloat16"),
 }
 
@@ -38,6 +39,7 @@ class EngineConfig:
     device: str = "cpu"  # cpu | cuda | cuda:N
     enforce_eager: bool = False  # no CUDA graphs / padded decode buckets: every step runs as it comes
     seed: int = 0  # seeds requests that give no seed of their own
+    dtype_reason: str = ""  # set on construction: "given", or why "auto" resolved to dtype
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device == "cuda"
@@ -49,8 +51,17 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = tokens
         if self.dtype == "auto":
-            self.dtype = dtype
+            self.dtype, self.dtype_reason = self._auto_dtype(dtype)
+        self.dtype_reason = self.dtype_reason or "given"
         self._validate()
+
+    def _auto_dtype(self, default: str) -> tuple[str, str]:
+        if default != "auto":
+            return default, f"auto: the {self.device_kind} default"
+        from kernels.cpu_features import auto_dtype
+
+        dtype, why = auto_dtype()
+        return dtype, f"auto: {why}"
 
     @property
     def device_kind(self) -> str:
