@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "status": "jobs.commands:status",
     "cancel": "jobs.commands:cancel",
     "retry": "jobs.commands:retry",
+    "export": "jobs.commands:export",
 }
 ENTRY_POINT_GROUP = "batchgen.commands"
 # commands that run for a long time and log as they go: each gets --log-format text|json (jobs.logs)

@@ -374,6 +374,24 @@ def status(job_id: str | None, data_dir: str, fmt: str, requeue: bool, output: P
         _export(manifest, output)
 
 
+@click.command()
+@click.argument("job_id")
+@_DATA_DIR_OPTION
+@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl"]),
+              help="Default: the --output file's suffix, else parquet.")
+@click.option("--output", type=click.Path(dir_okay=False), callback=_output_path,
+              help="Where to write: .parquet or .jsonl (default ./<JOB>.outputs.<format>).")
+def export(job_id: str, data_dir: str, fmt: str | None, output: Path | None) -> None:
+    """Write a finished job's outputs as one clean table: every input row once, in input order
+    (the views' committed rows only, never the raw parts under the data dir)."""
+    manifest = _manifest(data_dir, job_id)
+    if output is None:
+        output = Path(f"{manifest.job_id}.outputs.{fmt or 'parquet'}").resolve()
+    elif fmt is not None and output.suffix.lower() != f".{fmt}":
+        raise click.UsageError(f"--output {output} and --format {fmt} disagree: the suffix says the format")
+    _export(manifest, output)
+
+
 def _export(manifest, output: Path) -> None:
     from jobs.export import ExportError, export_job
 
