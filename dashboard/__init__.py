@@ -26,6 +26,7 @@ TOKEN_ENV = "BATCHGEN_DASHBOARD_TOKEN"
 DEFAULT_CONFIG = {
     "DATA_DIR": "./data",
     "TOKEN": None,  # when set, every request must carry it (see dashboard.auth)
+    "ALLOWED_HOSTS": (),  # Host names served besides the loopback ones and BATCHGEN_DASHBOARD_ALLOWED_HOSTS
     "SQL_ROW_CAP": 10_000,  # rows a user query returns at most (the rest are cut, and it says so)
     "SQL_TIMEOUT_S": 10.0,  # a user query is interrupted after this long
     "SQL_MEMORY_LIMIT": "1GB",  # DuckDB memory_limit of the user SQL connection
