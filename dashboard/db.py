@@ -13,13 +13,16 @@ empty state. Page queries run with a time limit, and one that meets a part file 
 from __future__ import annotations
 
 import threading
+import time
 
 import duckdb
 from flask import Flask, current_app, g
 
-from jobs.store.catalog import connect
+from jobs.store.catalog import connect_reporting
 from jobs.store.layout import Layout
 from jobs.store.usersql import QueryResult, run_query
+
+BROKEN_RETRY_S = 5.0  # a base connection made while parts were unreadable is made anew after this
 
 # Rows one page query may return: the series are bucketed in SQL far below this.
 MAX_PAGE_ROWS = 200_000
@@ -28,20 +31,27 @@ Params = dict | list | None
 
 
 class ViewSource:
-    """The app's base connection with the views; created on first use, once the data dir exists."""
+    """The app's base connection with the views; created on first use, once the data dir exists.
+
+    A base made while some kind's parts were unreadable (its views fail naming the file, the others
+    answer) is made anew after BROKEN_RETRY_S, so the pages recover once the file is quarantined."""
 
     def __init__(self, data_dir: str) -> None:
         self.data_dir = data_dir  # as configured; resolved by the store
         self._base: duckdb.DuckDBPyConnection | None = None  # holds the views; never queried directly
+        self._broken_since: float | None = None  # when a base with unreadable kinds was made
         self._lock = threading.Lock()  # guards _base and cursor() calls on it
 
     def cursor(self) -> duckdb.DuckDBPyConnection | None:
         """A new cursor over the views, or None while the data dir does not exist."""
         with self._lock:
+            if self._broken_since is not None and time.monotonic() - self._broken_since > BROKEN_RETRY_S:
+                self._base = None  # open cursors keep the old database alive until they close
             if self._base is None:
                 if not Layout.of(self.data_dir).root.is_dir():
                     return None
-                self._base = connect(self.data_dir)
+                self._base, broken = connect_reporting(self.data_dir)
+                self._broken_since = time.monotonic() if broken else None
             return self._base.cursor()
 
     def close(self) -> None:

@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "bench": "engine.bench:bench",
     "sweep": "engine.sweep:sweep",
     "sql": "jobs.store.cli:sql",
+    "store": "jobs.store.cli:store",
     "run": "jobs.commands:run",
     "submit": "jobs.commands:submit",
     "worker": "jobs.commands:worker",

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 
 import duckdb
@@ -238,9 +239,42 @@ def view_definitions(layout: Layout) -> list[tuple[str, str]]:
     return views
 
 
-def create_views(con: duckdb.DuckDBPyConnection, layout: Layout) -> None:
+def create_views(con: duckdb.DuckDBPyConnection, layout: Layout) -> dict[str, str]:
+    """Create every view; {kind: error} for kinds whose parts cannot be read (see `_unreadable_sql`)."""
+    broken: dict[str, str] = {}
     for name, select in view_definitions(layout):
-        con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
+        kind = name.removeprefix("_scan_") if name.startswith("_scan_") else None
+        try:
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
+        except (duckdb.IOException, duckdb.InvalidInputException) as exc:
+            if kind is None:
+                raise
+            broken[kind] = unreadable_part_message(str(exc))
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS {_unreadable_sql(layout, kind, broken[kind])}")
+    return broken
+
+
+def unreadable_part_message(duckdb_error: str) -> str:
+    """DuckDB's error as one line; when it is about a Parquet file (DuckDB names the file), with what
+    to do about it."""
+    first = duckdb_error.strip().splitlines()[0] if duckdb_error.strip() else "unreadable part file"
+    if ".parquet" not in first or QUARANTINE_HINT in first:
+        return first
+    first = re.sub(r"^(?:[A-Za-z]+ )+Error: ", "", first)  # DuckDB's class ("Invalid Input Error: ")
+    return f"{first} ({QUARANTINE_HINT})"
+
+
+QUARANTINE_HINT = ("a part file of the store is corrupt or missing: `batchgen store check --quarantine` "
+                   "moves bad files aside and says what they held")
+
+
+def _unreadable_sql(layout: Layout, kind: str, message: str) -> str:
+    """A stand-in for a kind's scan whose files cannot be read: it has the kind's base columns, and
+    every query that reads it fails with `message` (naming the file), while queries on views over
+    other kinds (and `SELECT 1`) still answer."""
+    schema = str(layout.kind_dir(kind) / "_schema.parquet")
+    return (f"SELECT s.* FROM (SELECT 1 AS one WHERE error({_q(message)}) IS NULL) AS t "
+            f"LEFT JOIN read_parquet({_q(schema)}) AS s ON true")
 
 
 # ---------------------------------------------------------------- connections
@@ -262,19 +296,32 @@ def connect(data_dir: str | os.PathLike | None = None, *, read_only_user_sql: bo
     extension autoload/autoinstall is off, `memory_limit` applies and the configuration is locked.
     Run user SQL through `jobs.store.usersql.run_user_query`, which also refuses anything but one
     SELECT (DuckDB itself would still let COPY write inside the allowed directory).
+
+    A kind whose part files cannot be read (a corrupt or vanished file) does not stop the connection:
+    queries over its views fail with an error naming the file, all others answer (`create_views`).
     """
+    return connect_reporting(data_dir, read_only_user_sql=read_only_user_sql, memory_limit=memory_limit,
+                             threads=threads)[0]
+
+
+def connect_reporting(data_dir: str | os.PathLike | None = None, *, read_only_user_sql: bool = False,
+                      memory_limit: str = "2GB",
+                      threads: int | None = None) -> tuple[duckdb.DuckDBPyConnection, dict[str, str]]:
+    """`connect`, and {kind: error} for the kinds whose parts could not be read."""
     layout = init_data_dir(resolve_data_dir(data_dir), create=False)
     con = duckdb.connect(":memory:")
     try:
         if threads is not None:
             con.execute(f"SET threads = {int(threads)}")
-        create_views(con, layout)
+        broken = create_views(con, layout)
+        for kind, message in broken.items():
+            log.warning("store %s: %s parts unreadable: %s", layout.root, kind, message)
         if read_only_user_sql:
             harden(con, layout, memory_limit)
     except Exception:
         con.close()
         raise
-    return con
+    return con, broken
 
 
 def harden(con: duckdb.DuckDBPyConnection, layout: Layout, memory_limit: str) -> None:
