@@ -40,6 +40,7 @@ DEFAULT_CONFIG = {
     "SQL_MAX_RESULT_BYTES": DEFAULT_MAX_RESULT_BYTES,  # a bigger user query result is refused
     "SQL_MAX_CONCURRENT": DEFAULT_MAX_CONCURRENT,  # user queries at once (per data dir); beyond: 429
     "PAGE_QUERY_TIMEOUT_S": 30.0,  # the dashboard's own queries are interrupted after this long
+    "PAGE_CACHE_ENTRIES": 256,  # query results kept while the store's files are unchanged (0: none)
     "MAX_POINTS": 2000,  # iteration series longer than this are bucketed on the server
     "REFRESH_S": 5,  # live pages poll this often while a job is queued or running
     "OUTPUT_SAMPLE_ROWS": 20,  # output rows shown on a job page

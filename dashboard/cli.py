@@ -57,17 +57,20 @@ def check_bind(host: str, token: str | None) -> None:
               help="Rows a query on the SQL page returns at most.")
 @click.option("--threads", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Requests served at once (waitress's thread pool).")
+@click.option("--page-cache-entries", default=256, show_default=True, type=click.IntRange(0, 100_000),
+              help="Page query results kept while the store's files are unchanged (0: no cache).")
 @click.option("--dev", is_flag=True,
               help="Serve with werkzeug's reloader instead of waitress (development only).")
 def dashboard(data_dir: str, host: str, port: int, sql_timeout: float, sql_row_cap: int, threads: int,
-              dev: bool) -> None:
+              page_cache_entries: int, dev: bool) -> None:
     """Serve the monitoring dashboard (jobs, workers, sweeps, SQL, /metrics) over DATA_DIR."""
     from dashboard import create_app
 
     token = os.environ.get("BATCHGEN_DASHBOARD_TOKEN") or None
     check_bind(host, token)
     app = create_app({"DATA_DIR": data_dir, "TOKEN": token, "SQL_TIMEOUT_S": sql_timeout,
-                      "SQL_ROW_CAP": sql_row_cap, "ALLOWED_HOSTS": [host]})
+                      "SQL_ROW_CAP": sql_row_cap, "ALLOWED_HOSTS": [host],
+                      "PAGE_CACHE_ENTRIES": page_cache_entries})
     if dev:
         _serve_dev(app, host, port, data_dir, token)
     else:

@@ -18,6 +18,7 @@ import time
 import duckdb
 from flask import Flask, current_app, g
 
+from dashboard.cache import QueryCache, store_fingerprint
 from jobs.store.catalog import connect_reporting
 from jobs.store.layout import Layout
 from jobs.store.usersql import QueryResult, run_query
@@ -63,6 +64,8 @@ class ViewSource:
 
 def init_app(app: Flask) -> None:
     app.extensions["batchgen_views"] = ViewSource(app.config["DATA_DIR"])
+    entries = app.config["PAGE_CACHE_ENTRIES"]
+    app.extensions["batchgen_query_cache"] = QueryCache(entries) if entries else None
     app.teardown_appcontext(close_db)
 
 
@@ -79,22 +82,38 @@ def close_db(exc: BaseException | None = None) -> None:
         db.close()
 
 
-def run(sql: str, params: Params = None) -> QueryResult | None:
+def run(sql: str, params: Params = None, *, cache: bool = True) -> QueryResult | None:
     """Run one of the dashboard's parameterized queries on this request's cursor.
 
     The store's `run_query` bounds it in time (PAGE_QUERY_TIMEOUT_S) and runs it again when a part
-    file vanishes under it (the compactor at work). None when there is no data dir.
+    file vanishes under it (the compactor at work). With `cache` (the default), a result computed
+    since the store's files last changed is served instead (`dashboard.cache`). None when there is
+    no data dir.
     """
     db = get_db()
     if db is None:
         return None
-    return run_query(db, sql, params, timeout_s=current_app.config["PAGE_QUERY_TIMEOUT_S"],
-                     max_rows=MAX_PAGE_ROWS)
+
+    def compute() -> QueryResult:
+        return run_query(db, sql, params, timeout_s=current_app.config["PAGE_QUERY_TIMEOUT_S"],
+                         max_rows=MAX_PAGE_ROWS)
+
+    kept = current_app.extensions["batchgen_query_cache"]
+    if not cache or kept is None:
+        return compute()
+    return kept.get(sql, params, _fingerprint(), compute)
 
 
-def fetch_dicts(sql: str, params: Params = None) -> list[dict]:
+def _fingerprint() -> str:
+    """This request's store fingerprint, taken before its first cached query."""
+    if "store_fingerprint" not in g:
+        g.store_fingerprint = store_fingerprint(Layout.of(current_app.config["DATA_DIR"]).store / "tables")
+    return g.store_fingerprint
+
+
+def fetch_dicts(sql: str, params: Params = None, *, cache: bool = True) -> list[dict]:
     """Rows as dicts (column name -> Python value); [] when there is no data dir yet."""
-    result = run(sql, params)
+    result = run(sql, params, cache=cache)
     if result is None:
         return []
     return [dict(zip(result.columns, row, strict=True)) for row in result.rows]
