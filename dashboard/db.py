@@ -18,7 +18,7 @@ import time
 import duckdb
 from flask import Flask, current_app, g
 
-from dashboard.cache import QueryCache, store_fingerprint
+from dashboard.cache import Listing, QueryCache, list_store
 from jobs.store.catalog import connect_reporting
 from jobs.store.layout import Layout
 from jobs.store.usersql import QueryResult, run_query
@@ -101,14 +101,14 @@ def run(sql: str, params: Params = None, *, cache: bool = True) -> QueryResult |
     kept = current_app.extensions["batchgen_query_cache"]
     if not cache or kept is None:
         return compute()
-    return kept.get(sql, params, _fingerprint(), compute)
+    return kept.get(sql, params, _listing(), compute)
 
 
-def _fingerprint() -> str:
-    """This request's store fingerprint, taken before its first cached query."""
-    if "store_fingerprint" not in g:
-        g.store_fingerprint = store_fingerprint(Layout.of(current_app.config["DATA_DIR"]).store / "tables")
-    return g.store_fingerprint
+def _listing() -> Listing:
+    """What this request saw of the store, listed before its first cached query."""
+    if "store_listing" not in g:
+        g.store_listing = list_store(Layout.of(current_app.config["DATA_DIR"]).store / "tables")
+    return g.store_listing
 
 
 def fetch_dicts(sql: str, params: Params = None, *, cache: bool = True) -> list[dict]:

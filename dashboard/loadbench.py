@@ -99,6 +99,12 @@ def serve(data_dir: str, cache_entries: int, threads: int) -> tuple[subprocess.P
     return proc, found.group(0)
 
 
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(10)
+    proc.stdout.close()
+
+
 def fetch(url: str, timeout_s: float) -> tuple[float, str | None]:
     """(seconds, error or None) of one GET."""
     start = time.perf_counter()
@@ -178,8 +184,7 @@ def main(argv: list[str] | None = None) -> None:
             Path(stop_file).touch()
             writing.join(30)
             for proc, _ in servers.values():
-                proc.terminate()
-                proc.wait(10)
+                stop(proc)
         print(f"\n{args.concurrency} concurrent clients x {args.requests} GETs x {args.rounds} rounds over "
               f"{len(ENDPOINTS)} JSON endpoints, writer adding a shard every {args.write_every} s")
         print(f"{'server':<10} {'reqs':>5} {'errors':>6}  {'p50 s':>7} {'p99 s':>7} {'max s':>7}")
