@@ -369,7 +369,7 @@ def _requeue(data_dir: str, job_id: str | None) -> None:
         click.echo(f"warning: could not re-queue dead shards: {exc}", err=True)
         return
     for job, shard in done:
-        click.echo(f"re-queued job {job} shard {shard} (its worker died)", err=True)
+        click.echo(f"re-queued job {job} shard {shard} (its worker died or its message was lost)", err=True)
 
 
 @click.command()
@@ -392,17 +392,23 @@ def cancel(job_id: str, data_dir: str, reason: str) -> None:
 @click.argument("job_id")
 @_DATA_DIR_OPTION
 def retry(job_id: str, data_dir: str) -> None:
-    """Queue the failed shards of a job again (completed shards are not redone)."""
-    from jobs.status import retry_failed_shards
+    """Queue the failed shards of a job again, and its stuck ones (waiting for a worker while the
+    broker holds no message for them); completed shards are not redone."""
+    from jobs.status import retry_failed_shards, retry_stuck_shards
+    from jobs.supervise import requeue_dead_shards
 
     manifest = _manifest(data_dir, job_id)
     settings = broker_for_job(manifest, data_dir)
     check_broker(settings)
     try:
-        shards = retry_failed_shards(manifest, settings)
+        failed = retry_failed_shards(manifest, settings)
+        dead = sorted(s for j, s in requeue_dead_shards(data_dir, settings) if j == job_id)
+        stuck = retry_stuck_shards(manifest, settings, skip=set(dead))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    if not shards:
-        click.echo(f"job {job_id}: no failed shards to retry")
+    if not (failed or dead or stuck):
+        click.echo(f"job {job_id}: no failed or stuck shards to retry")
         return
-    click.echo(f"job {job_id}: re-queued failed shard(s) {', '.join(map(str, shards))}")
+    for what, shards in (("failed", failed), ("dead worker's", dead), ("stuck", stuck)):
+        if shards:
+            click.echo(f"job {job_id}: re-queued {what} shard(s) {', '.join(map(str, shards))}")

@@ -47,8 +47,9 @@ def _input(path, column: str | None = None, value=None, prompt_of_bad: str | Non
 
 def _job(data_dir, src, broker=None, max_retries=3):
     broker = broker or resolve_broker(data_dir, embedded=True)
-    req = JobRequest(str(src), str(data_dir), {"model": MODEL}, {"max_tokens": MAX_TOKENS, "temperature": 0.0},
-                     SHARD_SIZE, max_retries=max_retries, retry_backoff_s=0.05, apply_chat_template="never")
+    sampling = {"max_tokens": MAX_TOKENS, "temperature": 0.0}
+    req = JobRequest(str(src), str(data_dir), {"model": MODEL}, sampling, SHARD_SIZE, max_retries=max_retries,
+                     retry_backoff_s=0.05, apply_chat_template="never")
     return prepare_job(req, broker)
 
 
