@@ -10,7 +10,9 @@ then print a summary and write `--output`.
 Ctrl-C hands the shards in flight back: each worker (in a session of its own, so the terminal's
 SIGINT reaches only this process) gets one SIGINT, aborts its running rows and gives its shards back
 within seconds; then the run prints where the job stands and the command that resumes it (or, if
-the job finished meanwhile, the summary and `--output` as usual).
+the job finished meanwhile, the summary and `--output` as usual). A run killed outright (SIGKILL, OOM)
+leaves no worker behind either: each watches its parent and hands its shards back when the run is
+gone (jobs.worker_main.exit_with_parent); the same command then resumes the job.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from jobs.leases import lease_ttl_s
 from jobs.manifest import JobManifest, JobPaths
 from jobs.store.parts import Store
 from jobs.supervise import JobProgress, hand_back_dead_attempts, job_progress, requeue_dead_shards
+from jobs.worker_main import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,7 @@ class LocalRun:
                "--concurrency", str(self.concurrency), "--worker-id", worker_id,
                "--shard-timeout", str(self.manifest.shard_timeout_s or self.broker.shard_timeout_s)]
         env = {k: v for k, v in os.environ.items() if k != BROKER_ENV}
+        env[PARENT_PID_ENV] = str(os.getpid())  # the worker exits (handing back) if this process dies
         with open(log_path, "ab") as log:
             # a session of its own: a terminal's Ctrl-C reaches this process only, which then sends
             # each worker exactly one SIGINT (a second one would be Celery's cold shutdown)

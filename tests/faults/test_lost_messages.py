@@ -95,7 +95,8 @@ def test_retry_republishes_stuck_shards_and_duplicates_are_harmless(tmp_path, mo
     m = submit(data_dir, src, settings, shard_size=SHARD_SIZE, max_tokens=MAX_TOKENS)
     _lose_messages(settings)
     shown = CliRunner().invoke(status, [m.job_id, "--no-requeue"])
-    assert shown.exit_code == 0 and "warning: 4 shard(s) queued but no live worker" in shown.output, shown.output
+    assert shown.exit_code == 0, shown.output
+    assert "warning: 4 shard(s) queued but no live worker" in shown.output, shown.output
     done = CliRunner().invoke(retry, [m.job_id])
     assert done.exit_code == 0, done.output
     assert f"job {m.job_id}: re-queued stuck shard(s) 0, 1, 2, 3" in done.output
