@@ -12,6 +12,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
+from dashboard import create_app
 from jobs.broker_messages import live_shard_messages
 from jobs.celery_app import publish_shard
 from jobs.commands import retry, status
@@ -70,6 +71,10 @@ def test_lost_messages_are_republished_and_the_job_finishes(kind, tmp_path, monk
         # queued, and no worker: both status and the dashboard's data say so
         warning = status_of(m)["warning"]
         assert warning.startswith(f"4 shard(s) queued but no live worker consumes queue {settings.queue!r}")
+        dashboard = create_app({"TESTING": True, "DATA_DIR": data_dir}).test_client()
+        assert dashboard.get(f"/api/jobs/{m.job_id}").get_json()["warning"] == warning
+        shown = warning.replace("'", "&#39;")  # as Jinja escapes it
+        assert f'id="job-warning">{shown}</p>' in dashboard.get(f"/jobs/{m.job_id}").text
         time.sleep(2.0)
         assert requeue_dead_shards(data_dir, settings) == []  # waited long, but the messages are there
         _lose_messages(settings)
@@ -78,6 +83,7 @@ def test_lost_messages_are_republished_and_the_job_finishes(kind, tmp_path, monk
         with workers(data_dir, settings, tmp_path, ["w1"], "--max-num-seqs", "4", "--concurrency", "2") as ws:
             wait_for(lambda: job_progress(m).finished, 180, f"job over {kind}", on_timeout=lambda: logs(ws))
             assert status_of(m)["warning"] is None
+            assert dashboard.get(f"/api/jobs/{m.job_id}").get_json()["warning"] is None
             assert ws[0].stop() == 0, logs(ws)
         assert "no message in" in logs(ws) and "re-publishing it" in logs(ws)
         _assert_every_row_once(data_dir, m)
