@@ -185,7 +185,11 @@ class ShardLeases:
         os.close(fd)
         lease = Lease(self, shard_id, LeaseState(worker_id, socket.gethostname(), os.getpid(), attempt,
                                                  "running", now, now))
-        lease.write()
+        try:
+            lease.write()
+        except OSError:  # a full disk: give the attempt number back, or it would look alive for a TTL
+            self._claim(shard_id, attempt).unlink(missing_ok=True)
+            raise
         return lease
 
     def mark_requeued(self, shard_id: int, attempt: int) -> bool:

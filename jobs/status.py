@@ -225,7 +225,7 @@ def retry_stuck_shards(manifest: JobManifest, broker: BrokerSettings,
 
     leases = ShardLeases(JobPaths.of(manifest.data_dir, manifest.job_id).leases)
     claims, store = leases.claimed_attempts(), Store(manifest.data_dir)
-    live = live_shard_messages(broker) or set()
+    live = live_shard_messages(broker, held_within_s=leases.ttl_s) or set()  # held longer: no one runs it
     stuck = []
     for info in manifest.shards:
         attempts = claims.get(info.shard_id, [])

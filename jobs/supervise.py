@@ -232,7 +232,7 @@ def _republish_lost(manifest: JobManifest, store: Store, broker: BrokerSettings,
     if not stale:
         return []
     target = BrokerSettings(broker.url, broker.kind, manifest.queue, broker.shard_timeout_s)
-    live = live_shard_messages(target)
+    live = live_shard_messages(target, held_within_s=limit)
     if live is None:
         return []  # the broker cannot be read without consuming (RabbitMQ): no guessing
     return [(manifest.job_id, shard_id) for shard_id, since in sorted(stale.items())

@@ -117,3 +117,20 @@ def test_retry_republishes_stuck_shards_and_duplicates_are_harmless(tmp_path, mo
         assert ws[0].stop() == 0, logs(ws)
     _assert_every_row_once(data_dir, m)
     assert shards_of(data_dir, m.job_id)[1]["attempts"] == 1  # the copies were skipped, not run
+
+
+def test_a_message_held_by_a_dead_consumer_is_not_live(tmp_path):
+    """A message delivered long ago and never claimed belongs to a consumer that died holding it: the
+    broker would give it back only after the shard timeout (10 minutes or more), so it does not count."""
+    data_dir, src = tmp_path / "data", tmp_path / "in.parquet"
+    write_prompts(src, NUM_ROWS)
+    settings = broker_for("embedded", data_dir, unique_queue("held"))
+    m = submit(data_dir, src, settings, shard_size=SHARD_SIZE, max_tokens=MAX_TOKENS)
+    path = "/" + settings.url.split("sqlite://", 1)[1].lstrip("/")
+    with sqlite3.connect(path) as con:  # shards 0 and 1 delivered 100 s and 5 s ago, unacknowledged
+        for shard, age in ((0, 100.0), (1, 5.0)):
+            con.execute("UPDATE messages SET visible_at = ? WHERE payload LIKE ?",
+                        (time.time() - age + settings.shard_timeout_s, f'%"{m.job_id}.shard{shard}.%'))
+    everything = {(m.job_id, s) for s in range(4)}
+    assert live_shard_messages(settings) == everything
+    assert live_shard_messages(settings, held_within_s=30.0) == everything - {(m.job_id, 0)}
