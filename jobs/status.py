@@ -13,10 +13,7 @@ import time
 from jobs.broker import BrokerSettings
 from jobs.leases import ShardLeases
 from jobs.manifest import JobManifest, JobPaths, load_manifest
-from jobs.store.catalog import connect
-from jobs.store.parts import Store
-from jobs.store.schemas import ShardEvent
-from jobs.store.workers import no_worker_warning, read_worker_records
+from jobs.store import ShardEvent, Store, connect, no_worker_warning, read_worker_records
 from jobs.supervise import job_progress
 
 # per request (its n samples together): failed if a sample erred, else cancelled if one was cancelled

@@ -213,7 +213,7 @@ class _Soak:
 
 
 def _count(data_dir: Path, manifest) -> dict:
-    from jobs.store.catalog import connect
+    from jobs.store import connect
 
     con = connect(data_dir)
     try:

@@ -130,7 +130,7 @@ def _finish(m, output) -> int:
 
 def test_disk_full_at_the_end_never_fails_a_completed_job(runtime, tmp_path, monkeypatch, capsys):
     import jobs.export
-    import jobs.store.compact
+    import jobs.store
 
     m = _completed_job(runtime, tmp_path)
     out = tmp_path / "out.parquet"
@@ -138,7 +138,7 @@ def test_disk_full_at_the_end_never_fails_a_completed_job(runtime, tmp_path, mon
     def compaction_hits_a_full_disk(*_args, **_kwargs):
         raise duckdb.IOException("IO Error: Could not write file \"x.parquet\": No space left on device")
 
-    monkeypatch.setattr(jobs.store.compact, "compact_job", compaction_hits_a_full_disk)
+    monkeypatch.setattr(jobs.store, "compact_job", compaction_hits_a_full_disk)
     assert _finish(m, out) == 0  # the compaction failed, the output was still written
     err = capsys.readouterr().err
     assert "warning: the job's parts were not compacted (IOException: IO Error: Could not write file" in err
