@@ -245,7 +245,7 @@ class LocalRun:
             return 1
         except Exception as exc:  # noqa: BLE001 - a full disk (OSError, duckdb.IOException), ...
             click.echo(f"output not written ({_first_line(exc)}); the job's outputs are stored: write it "
-                       f"once there is room with: batchgen status {self.manifest.job_id} --data-dir "
+                       f"once there is room with: batchgen export {self.manifest.job_id} --data-dir "
                        f"{shlex.quote(self.manifest.data_dir)} --output {shlex.quote(self.output_path)}",
                        err=True)
             return code

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from jobs import cli as jobs_cli
 from jobs import submit as submit_module
 from jobs.broker import resolve_broker
-from jobs.commands import run, status, submit, worker
+from jobs.commands import export, run, submit, worker
 from jobs.local_run import LocalRun
 from jobs.manifest import JobPaths, ShardWriter, list_job_ids
 from jobs.shard_runner import ShardTask, process_shard
@@ -148,11 +148,11 @@ def test_disk_full_at_the_end_never_fails_a_completed_job(runtime, tmp_path, mon
     monkeypatch.setattr(jobs.export.pq, "write_table", _no_space)  # and the output cannot be written
     assert _finish(m, out) == 0 and not out.exists()
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    how = f"batchgen status {m.job_id} --data-dir {m.data_dir} --output {out}"
+    how = f"batchgen export {m.job_id} --data-dir {m.data_dir} --output {out}"
     assert line.startswith("output not written (OSError: [Errno 28] No space left on device") and \
         line.endswith(f"write it once there is room with: {how}")
     monkeypatch.undo()  # room again: the printed command writes it
-    result = CliRunner().invoke(status, how.split()[2:])
+    result = CliRunner().invoke(export, how.split()[2:])
     assert result.exit_code == 0, result.output
     assert pq.read_table(out).num_rows == NUM_ROWS
 
