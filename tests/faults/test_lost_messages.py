@@ -49,6 +49,7 @@ def _lose_messages(settings) -> None:
     for tag, raw in client.hgetall("unacked").items():
         if json.loads(raw)[2] == settings.queue:
             client.hdel("unacked", tag)
+            client.zrem("unacked_index", tag)
     client.close()
 
 
@@ -119,18 +120,43 @@ def test_retry_republishes_stuck_shards_and_duplicates_are_harmless(tmp_path, mo
     assert shards_of(data_dir, m.job_id)[1]["attempts"] == 1  # the copies were skipped, not run
 
 
-def test_a_message_held_by_a_dead_consumer_is_not_live(tmp_path):
+def _deliver(settings, job_id: str, ages: dict[int, float]) -> None:
+    """Mark shards' messages delivered `ages[shard]` seconds ago and unacknowledged, as a consumer
+    that took them (and may have died since) leaves them."""
+    if settings.kind == "embedded":
+        path = "/" + settings.url.split("sqlite://", 1)[1].lstrip("/")
+        with sqlite3.connect(path) as con:
+            for shard, age in ages.items():
+                con.execute("UPDATE messages SET visible_at = ? WHERE payload LIKE ?",
+                            (time.time() - age + settings.shard_timeout_s, f'%"{job_id}.shard{shard}.%'))
+        return
+    import redis
+
+    client = redis.Redis.from_url(settings.url)
+    for raw in client.lrange(settings.queue, 0, -1):
+        message = json.loads(raw)
+        shard = int(message["headers"]["id"].rsplit(".", 2)[1][5:])
+        if shard in ages:
+            tag = f"test-{settings.queue}-{shard}"
+            client.lrem(settings.queue, 1, raw)
+            client.hset("unacked", tag, json.dumps([message, settings.queue, settings.queue]))
+            client.zadd("unacked_index", {tag: time.time() - ages[shard]})
+    client.close()
+
+
+@pytest.mark.parametrize("kind", ["embedded", "redis"])
+def test_a_message_held_by_a_dead_consumer_is_not_live(kind, tmp_path):
     """A message delivered long ago and never claimed belongs to a consumer that died holding it: the
     broker would give it back only after the shard timeout (10 minutes or more), so it does not count."""
     data_dir, src = tmp_path / "data", tmp_path / "in.parquet"
     write_prompts(src, NUM_ROWS)
-    settings = broker_for("embedded", data_dir, unique_queue("held"))
-    m = submit(data_dir, src, settings, shard_size=SHARD_SIZE, max_tokens=MAX_TOKENS)
-    path = "/" + settings.url.split("sqlite://", 1)[1].lstrip("/")
-    with sqlite3.connect(path) as con:  # shards 0 and 1 delivered 100 s and 5 s ago, unacknowledged
-        for shard, age in ((0, 100.0), (1, 5.0)):
-            con.execute("UPDATE messages SET visible_at = ? WHERE payload LIKE ?",
-                        (time.time() - age + settings.shard_timeout_s, f'%"{m.job_id}.shard{shard}.%'))
-    everything = {(m.job_id, s) for s in range(4)}
-    assert live_shard_messages(settings) == everything
-    assert live_shard_messages(settings, held_within_s=30.0) == everything - {(m.job_id, 0)}
+    settings = broker_for(kind, data_dir, unique_queue("held"))
+    try:
+        m = submit(data_dir, src, settings, shard_size=SHARD_SIZE, max_tokens=MAX_TOKENS)
+        _deliver(settings, m.job_id, {0: 100.0, 1: 5.0})  # shard 0's consumer died long ago
+        everything = {(m.job_id, s) for s in range(4)}
+        assert live_shard_messages(settings) == everything
+        assert live_shard_messages(settings, held_within_s=30.0) == everything - {(m.job_id, 0)}
+    finally:
+        _lose_messages(settings)
+        delete_queue(settings)
