@@ -38,8 +38,8 @@ class Constraint:
                 "choice": "choice"}[self.kind]
 
 
-def constraint_from(response_format: dict | None, guided_regex: str | None,
-                    guided_choice: list[str] | None) -> Constraint | None:
+def constraint_from(response_format: dict | None = None, guided_regex: str | None = None,
+                    guided_choice: list[str] | None = None) -> Constraint | None:
     """The constraint of a request's fields (at most one may be set); ValueError naming the field."""
     given = [name for name, v in (("response_format", response_format), ("guided_regex", guided_regex),
                                   ("guided_choice", guided_choice)) if v is not None]

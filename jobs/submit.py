@@ -200,7 +200,7 @@ def _read_file(source: _InputFile, writer: ShardWriter, ids: RequestIds) -> int:
     file_row, max_n = 0, 1
     try:
         for batch, lines in source.batches():
-            max_n = max(max_n, check_sampling_values(batch, source.path, file_row))
+            max_n = max(max_n, check_sampling_values(batch, source.path, file_row, lines))
             writer.add(batch, ids.take(batch, source.path, file_row, lines))
             file_row += batch.num_rows
     except InputError:
