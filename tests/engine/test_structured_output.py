@@ -212,3 +212,17 @@ def test_smollm2_tokenizer_info_from_our_tokenizer(smollm2_dir):
             '"owner": {"id": 2, "ok": true}}')
     assert all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
     assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+
+
+def test_a_row_whose_grammar_breaks_in_a_step_fails_alone(llm):
+    engine = llm.engine
+    choices = ["abc", "abd"]
+    engine.add_request("bad", "x", SamplingParams(max_tokens=8, guided_choice=choices))
+    engine.add_request("good", "y", SamplingParams(max_tokens=8, guided_choice=choices))
+    outs = engine.step()
+    engine._seqs["bad"].token_ids.append(ord("z"))  # an output the grammar cannot have reached
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    by_id = {o.request_id: o for o in outs}
+    assert by_id["bad"].finish_reason == "error" and "does not match the grammar" in by_id["bad"].error
+    assert by_id["good"].finish_reason == "stop" and by_id["good"].text in choices
