@@ -17,7 +17,7 @@ from werkzeug.exceptions import HTTPException
 
 from dashboard.formatting import register_filters
 from dashboard.jsonout import DashboardJSONProvider
-from jobs.store.usersql import QueryTimeout, UserSqlError
+from jobs.store import QueryTimeout, UserSqlError
 
 DATA_DIR_ENV = "BATCHGEN_DATA_DIR"
 TOKEN_ENV = "BATCHGEN_DASHBOARD_TOKEN"

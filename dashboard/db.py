@@ -17,9 +17,7 @@ import threading
 import duckdb
 from flask import Flask, current_app, g
 
-from jobs.store.catalog import connect
-from jobs.store.layout import Layout
-from jobs.store.usersql import QueryResult, run_query
+from jobs.store import Layout, QueryResult, connect, run_query
 
 # Rows one page query may return: the series are bucketed in SQL far below this.
 MAX_PAGE_ROWS = 200_000

@@ -22,10 +22,7 @@ import duckdb
 from flask import Blueprint, Response, current_app, jsonify, render_template, request
 
 from dashboard.jsonout import plain_value
-from jobs.store.catalog import connect
-from jobs.store.layout import StoreError
-from jobs.store.queries import README_EXAMPLES
-from jobs.store.usersql import QueryResult, UserSqlError, run_user_query
+from jobs.store import README_EXAMPLES, QueryResult, StoreError, UserSqlError, connect, run_user_query
 
 bp = Blueprint("sql", __name__)
 

@@ -19,8 +19,7 @@ from jobs.broker import BrokerSettings
 from jobs.leases import ShardLeases
 from jobs.manifest import JobManifest, JobPaths, list_job_ids, load_manifest
 from jobs.spec import InputError, resolve_input_files
-from jobs.store.parts import Store
-from jobs.store.schemas import ShardEvent
+from jobs.store import ShardEvent, Store
 
 # engine settings that change what a job generates (the rest only change how fast)
 OUTPUT_ENGINE_FIELDS = ("model", "max_model_len", "dtype")
@@ -105,7 +104,7 @@ def resume_job(manifest: JobManifest, broker: BrokerSettings) -> list[int]:
 
 
 def _recorded(manifest: JobManifest) -> bool:
-    from jobs.store.catalog import connect
+    from jobs.store import connect
 
     con = connect(manifest.data_dir)
     try:

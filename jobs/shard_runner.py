@@ -31,8 +31,7 @@ from jobs.leases import Lease, ShardLeases
 from jobs.manifest import REQUEST_ID_COLUMN, URL_COLUMN, JobManifest, JobPaths, load_manifest, read_shard
 from jobs.openai_batch import COMPLETIONS_URL, LOGPROB_FLOOR
 from jobs.spec import RowRequest, row_request
-from jobs.store.parts import ShardAttempt, Store
-from jobs.store.schemas import LOGPROBS_TYPE, ShardEvent
+from jobs.store import LOGPROBS_TYPE, ShardAttempt, ShardEvent, Store
 
 if TYPE_CHECKING:
     from jobs.runtime import EngineRequest, ShardRun, WorkerRuntime

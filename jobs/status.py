@@ -12,9 +12,7 @@ import time
 from jobs.broker import BrokerSettings
 from jobs.leases import ShardLeases
 from jobs.manifest import JobManifest, JobPaths, load_manifest
-from jobs.store.catalog import connect
-from jobs.store.parts import Store
-from jobs.store.schemas import ShardEvent
+from jobs.store import ShardEvent, Store, connect
 from jobs.supervise import job_progress
 
 # per request (its n samples together): failed if a sample erred, else cancelled if one was cancelled

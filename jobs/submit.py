@@ -34,9 +34,7 @@ from jobs.spec import (
     resolve_input_files,
     sampling_defaults,
 )
-from jobs.store.layout import StoreError, check_id, new_uid
-from jobs.store.parts import Store
-from jobs.store.schemas import JobRecord, ShardEvent
+from jobs.store import JobRecord, ShardEvent, Store, StoreError, check_id, new_uid
 
 READ_BATCH_ROWS = 4096
 

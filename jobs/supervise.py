@@ -18,8 +18,7 @@ from pathlib import Path
 from jobs.broker import BrokerSettings
 from jobs.leases import AttemptView, Lease, LeaseState, ShardLeases
 from jobs.manifest import JobManifest, JobPaths, list_job_ids, load_manifest
-from jobs.store.parts import Store
-from jobs.store.schemas import ShardEvent
+from jobs.store import ShardEvent, Store
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +238,7 @@ def compact_every_s() -> float:
 
 def maintenance(data_dir: str, settings: BrokerSettings) -> Callable[[], None]:
     """The worker janitor: re-queue dead workers' shards each call, compact the store now and then."""
-    from jobs.store.compact import compact
+    from jobs.store import compact
 
     last = [time.monotonic()]
 

@@ -35,17 +35,46 @@ Public API:
   `UserSqlError`, `QueryTimeout` (`usersql.py`); `QUERIES`, `run_named`, `README_EXAMPLES`
   (`queries.py`).
 - maintenance: `compact`, `compact_job`, `compact_telemetry`, `collect_garbage` (`compact.py`).
+- layout: `DATA_DIR_ENV`, `DEFAULT_DATA_DIR`, `check_id`, `new_uid`, `write_atomic` (`layout.py`); schema
+  constants `INTERNAL_PREFIX`, `OUTPUTS`, `LOGPROBS_TYPE` (`schemas.py`); worker heartbeats `WorkerRecord`,
+  `read_worker_records`, `write_worker_record` (`workers.py`).
 - `batchgen sql` (`cli.py`), `python -m jobs.store.bench` (`bench.py`).
+
+Everything outside this package imports from here, never from its modules (tests/test_layers.py).
 """
 
 from jobs.store.catalog import connect, write_catalog
-from jobs.store.layout import SCHEMA_VERSION, Layout, StoreError
+from jobs.store.compact import collect_garbage, compact, compact_job, compact_telemetry
+from jobs.store.layout import (
+    DATA_DIR_ENV,
+    DEFAULT_DATA_DIR,
+    SCHEMA_VERSION,
+    Layout,
+    StoreError,
+    check_id,
+    new_uid,
+    write_atomic,
+)
 from jobs.store.parts import ShardAttempt, Store, TelemetryBuffer
-from jobs.store.schemas import CommitRecord, JobRecord, ShardEvent, SweepRecord
+from jobs.store.queries import QUERIES, README_EXAMPLES, run_named
+from jobs.store.schemas import (
+    INTERNAL_PREFIX,
+    LOGPROBS_TYPE,
+    OUTPUTS,
+    CommitRecord,
+    JobRecord,
+    ShardEvent,
+    SweepRecord,
+)
 from jobs.store.usersql import QueryResult, QueryTimeout, UserSqlError, run_query, run_user_query
+from jobs.store.workers import WorkerRecord, read_worker_records, write_worker_record
 
 __all__ = [
-    "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout", "ShardAttempt",
-    "ShardEvent", "Store", "StoreError", "SweepRecord", "TelemetryBuffer", "UserSqlError", "connect",
-    "run_query", "run_user_query", "write_catalog",
+    "DATA_DIR_ENV", "DEFAULT_DATA_DIR", "INTERNAL_PREFIX", "LOGPROBS_TYPE", "OUTPUTS", "QUERIES",
+    "README_EXAMPLES", "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout",
+    "ShardAttempt", "ShardEvent", "Store", "StoreError", "SweepRecord", "TelemetryBuffer", "UserSqlError",
+    "WorkerRecord", "check_id", "collect_garbage", "compact", "compact_job", "compact_telemetry", "connect",
+    "new_uid", "read_worker_records", "run_named", "run_query", "run_user_query", "write_atomic",
+    "write_catalog",
+    "write_worker_record",
 ]
