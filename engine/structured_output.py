@@ -189,6 +189,8 @@ class StructuredOutputs:
         t0 = time.perf_counter()
         host = staging.buffer("grammar_bitmask", len(rows) * self.words, torch.int32)
         bitmask = torch.from_numpy(host[: len(rows) * self.words]).view(len(rows), self.words)
+        # one row after another: a fill costs microseconds (8 SmolLM2 rows inside a JSON string:
+        # 0.06 ms), and xgrammar's threaded BatchGrammarMatcher took 1.4 ms for them on 2 busy cores
         for j, i in enumerate(rows.tolist()):
             self._matcher(seqs[i], seqs[i].num_output_tokens).fill_next_token_bitmask(bitmask, j)
         words = staging.upload("grammar_bitmask", len(rows) * self.words).view(len(rows), self.words)
