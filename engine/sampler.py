@@ -60,7 +60,7 @@ class Sampler:
                  structured: StructuredOutputs | None = None) -> None:
         self.engine_seed = engine_seed
         self.staging = staging
-        self.structured = structured  # grammars and matchers of constrained rows (None: no tokenizer)
+        self.structured = structured  # grammars and matchers of constrained rows (the engine's)
         self._seeds: dict[int, int] = {}  # seq_index -> its seed (uint64)
 
     def release(self, seq: Sequence) -> None:
