@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+MAX_COMPILED = 1024  # compiled grammars kept (a job with a schema per row must not grow without bound)
 
 
 @dataclass(frozen=True)
@@ -156,15 +157,26 @@ class StructuredOutputs:
 
     def prepare(self, constraint: Constraint) -> None:
         """Compile the constraint's grammar for this tokenizer (once); ValueError if refused."""
-        if constraint in self._compiled:
-            return
+        self._compiled_grammar(constraint)
+
+    def _compiled_grammar(self, constraint: Constraint):
+        """The compiled grammar, from the cache or compiled now (the oldest dropped past MAX_COMPILED;
+        live matchers keep theirs)."""
+        compiled = self._compiled.get(constraint)
+        if compiled is not None:
+            return compiled
         if self.tokenizer is None:
             raise ValueError("structured output needs a tokenizer; this model has none")
         if self._compiler is None:
             import xgrammar as xgr
 
-            self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size))
-        self._compiled[constraint] = self._compiler.compile_grammar(grammar(constraint))
+            # our cache is the one cache (xgrammar's own is unbounded by default)
+            self._compiler = xgr.GrammarCompiler(tokenizer_info(self.tokenizer, self.vocab_size),
+                                                 cache_enabled=False)
+        compiled = self._compiled[constraint] = self._compiler.compile_grammar(grammar(constraint))
+        if len(self._compiled) > MAX_COMPILED:
+            del self._compiled[next(iter(self._compiled))]
+        return compiled
 
     def release(self, seq) -> None:
         self._matchers.pop(seq.seq_index, None)
@@ -176,7 +188,7 @@ class StructuredOutputs:
         if accepted != num_tokens:
             import xgrammar as xgr
 
-            matcher = xgr.GrammarMatcher(self._compiled[seq.params.constraint])
+            matcher = xgr.GrammarMatcher(self._compiled_grammar(seq.params.constraint))
             for token in seq.output_token_ids[:num_tokens]:
                 if not matcher.accept_token(token):
                     raise ValueError(f"output token {token} does not match the grammar")

@@ -226,3 +226,18 @@ def test_a_row_whose_grammar_breaks_in_a_step_fails_alone(llm):
     by_id = {o.request_id: o for o in outs}
     assert by_id["bad"].finish_reason == "error" and "does not match the grammar" in by_id["bad"].error
     assert by_id["good"].finish_reason == "stop" and by_id["good"].text in choices
+
+
+def test_compiled_grammars_are_cached_per_constraint_and_bounded(ckpt, monkeypatch):
+    import engine.structured_output as so
+
+    monkeypatch.setattr(so, "MAX_COMPILED", 2)
+    structured = StructuredOutputs(ckpt.tokenizer, 259)
+    a, b, c = (SamplingParams(guided_choice=[w]).constraint for w in ("a", "b", "c"))
+    structured.prepare(a)
+    first = structured._compiled[a]
+    structured.prepare(SamplingParams(guided_choice=["a"]).constraint)  # an equal constraint: no compile
+    assert structured._compiled[a] is first and len(structured._compiled) == 1
+    structured.prepare(b)
+    structured.prepare(c)
+    assert list(structured._compiled) == [b, c]  # the oldest dropped
