@@ -91,7 +91,7 @@ class Sampler:
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, seqs, staging)
         if constrained.size:
-            logits = self._apply_grammars(logits, seqs, constrained, staging)
+            logits = self._apply_grammars(logits, raw, seqs, constrained, staging)
         tokens = logits.argmax(dim=-1)
         sampled = np.flatnonzero(~rows.greedy)
         if sampled.size:
@@ -105,15 +105,14 @@ class Sampler:
         host = staging.fetch(packed)
         return _unpack(host, len(seqs), want, rows.logprobs)
 
-    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], rows: np.ndarray,
-                        staging: Staging) -> torch.Tensor:
-        """-inf on every token the grammar of a constrained row refuses next (rows `rows`)."""
+    def _apply_grammars(self, logits: torch.Tensor, raw: torch.Tensor, seqs: list[Sequence],
+                        rows: np.ndarray, staging: Staging) -> torch.Tensor:
+        """-inf on every token the grammar of a constrained row refuses next (rows `rows`); the raw
+        logits (the model's, kept for logprobs) are never changed."""
         if self.structured is None:
             raise ValueError("structured output needs a tokenizer; this model has none")
-        allowed = self.structured.fill(seqs, rows, staging)  # (R, V) bool
-        index = staging.put("grammar_rows", rows, torch.int64)
-        masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
-        return logits.index_copy(0, index, masked)
+        in_place = logits is not raw or all(s.params.logprobs is None for s in seqs)
+        return self.structured.apply(logits, seqs, rows, staging, in_place=in_place)
 
     def _rows(self, seqs: list[Sequence]) -> _Rows:
         params = [s.params for s in seqs]

@@ -17,7 +17,15 @@ import torch
 from engine import LLM, SamplingParams
 from engine.loader import tiny_random_checkpoint
 from engine.staging import Staging
-from engine.structured_output import Constraint, StructuredOutputs, check, tokenizer_info, unpack_bitmask
+from engine.structured_output import (
+    Constraint,
+    StructuredOutputs,
+    apply_bitmask,
+    apply_bitmask_cpu,
+    check,
+    tokenizer_info,
+    unpack_bitmask,
+)
 
 PERSON = {
     "type": "object",
@@ -162,8 +170,8 @@ def test_a_matcher_out_of_step_with_its_output_is_rebuilt(ckpt):
 
 
 def allowed(structured, seq, staging) -> list[int]:
-    mask = structured.fill([seq], np.array([0]), staging)
-    return torch.nonzero(mask[0]).flatten().tolist()
+    logits = structured.apply(torch.zeros(1, 259), [seq], np.array([0]), staging, in_place=True)
+    return torch.nonzero(logits[0] == 0).flatten().tolist()
 
 
 def test_unpack_bitmask_matches_xgrammar():
@@ -174,6 +182,17 @@ def test_unpack_bitmask_matches_xgrammar():
     logits = torch.zeros(3, 150)
     xgr.apply_token_bitmask_inplace(logits, words)
     assert torch.equal(unpack_bitmask(words, 150), logits == 0)
+
+
+def test_the_device_path_masks_as_the_cpu_kernel_does():
+    rng = np.random.default_rng(1)
+    words = torch.from_numpy(rng.integers(-(1 << 31), 1 << 31, size=(6, 5), dtype=np.int64).astype(np.int32))
+    logits = torch.randn(6, 150, generator=torch.Generator().manual_seed(0))
+    rows = np.array([1, 4, 5])
+    on_device = apply_bitmask(logits, words, torch.from_numpy(rows))
+    assert torch.equal(on_device, apply_bitmask_cpu(logits.clone(), words, rows))
+    assert torch.equal(on_device[[0, 2, 3]], logits[[0, 2, 3]])  # other rows untouched
+    assert torch.isinf(on_device[rows]).any()
 
 
 @pytest.mark.parametrize("params, message", [
@@ -241,3 +260,10 @@ def test_compiled_grammars_are_cached_per_constraint_and_bounded(ckpt, monkeypat
     structured.prepare(b)
     structured.prepare(c)
     assert list(structured._compiled) == [b, c]  # the oldest dropped
+
+
+def test_logprobs_of_a_constrained_row_are_the_models_own(llm):
+    out, = llm.generate(["q"], SamplingParams(max_tokens=10, guided_choice=["yes", "no"], logprobs=3))
+    assert out.text in ("yes", "no") and len(out.logprobs) == len(out.token_ids)
+    # the masked logits would give -inf to the model's top tokens the grammar refuses
+    assert all(np.isfinite(v) for entry in out.logprobs for v in entry.values())
