@@ -7,13 +7,17 @@ completed (stop or length), failed (error rows), plus cancelled.
 
 from __future__ import annotations
 
-import time
+import logging
+
+import duckdb
 
 from jobs.broker import BrokerSettings
-from jobs.leases import ShardLeases
-from jobs.manifest import JobManifest, JobPaths, load_manifest
-from jobs.store import ShardEvent, Store, connect
+from jobs.ledger import ShardLedger
+from jobs.manifest import JobManifest, load_manifest
+from jobs.store import connect, unreadable_part_message
 from jobs.supervise import job_progress
+
+log = logging.getLogger(__name__)
 
 # per request (its n samples together): failed if a sample erred, else cancelled if one was cancelled
 REQUEST_OUTCOMES_SQL = """
@@ -38,10 +42,21 @@ def _fetch(con, sql: str, params: list | None = None) -> list[dict]:
     return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
 
-def _request_counts(total: int, counts: dict | None) -> dict:
+def _request_counts(total: int, counts: dict | None, unknown: bool = False) -> dict:
+    """OpenAI Batch's request_counts; None for the outcomes when the outputs could not be read."""
     counts = counts or {}
-    return {"total": total, "completed": counts.get("completed", 0), "failed": counts.get("failed", 0),
-            "cancelled": counts.get("cancelled", 0)}
+    return {"total": total, **{k: None if unknown else counts.get(k, 0) for k in ("completed", "failed",
+                                                                                 "cancelled")}}
+
+
+def _fetch_counts(con, where: str = "", params: list | None = None) -> list[dict] | None:
+    """Request outcome counts, or None (with a warning naming the file) when the outputs are unreadable:
+    the job and shard states still show."""
+    try:
+        return _fetch(con, _COUNTS_SQL.format(where=where), params)
+    except duckdb.Error as exc:
+        log.warning("request counts unknown: %s", unreadable_part_message(str(exc)))
+        return None
 
 
 def jobs_status(data_dir: str) -> list[dict]:
@@ -49,7 +64,8 @@ def jobs_status(data_dir: str) -> list[dict]:
     con = connect(data_dir)
     try:
         jobs = {r["job_id"]: r for r in _fetch(con, "SELECT * FROM jobs ORDER BY submitted_at, job_id")}
-        counts = {r["job_id"]: r for r in _fetch(con, _COUNTS_SQL.format(where=""))}
+        found = _fetch_counts(con)
+        counts = {r["job_id"]: r for r in found or []}
     finally:
         con.close()
     rows = []
@@ -58,7 +74,7 @@ def jobs_status(data_dir: str) -> list[dict]:
         live = _live_rows(data_dir, job_id)
         rows.append({
             "job_id": job_id, "status": job["status"], "model": job["model"],
-            "request_counts": _request_counts(job["num_requests"] or 0, counts.get(job_id)),
+            "request_counts": _request_counts(job["num_requests"] or 0, counts.get(job_id), found is None),
             "rows_done": max(live, job["rows_done"] or 0), "num_shards": job["num_shards"],
             "shards_completed": job["shards_completed"], "shards_failed": job["shards_failed"],
             "shards_running": job["shards_running"], "output_tokens": job["output_tokens"],
@@ -85,7 +101,7 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
     try:
         job = _fetch(con, "SELECT * FROM jobs WHERE job_id = ?", [manifest.job_id])
         shards = _fetch(con, "SELECT * FROM shards WHERE job_id = ? ORDER BY shard_id", [manifest.job_id])
-        counts = _fetch(con, _COUNTS_SQL.format(where="WHERE job_id = ?"), [manifest.job_id])
+        counts = _fetch_counts(con, "WHERE job_id = ?", [manifest.job_id])
     finally:
         con.close()
     progress = {s.shard_id: s for s in job_progress(manifest).shards}
@@ -95,7 +111,8 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
             shard["rows_done"], shard["output_tokens"] = live.rows_done, live.output_tokens
     info = dict(job[0]) if job else {"job_id": manifest.job_id, "status": "queued"}
     info.pop("config", None)
-    info["request_counts"] = _request_counts(manifest.num_requests, counts[0] if counts else None)
+    info["request_counts"] = _request_counts(manifest.num_requests, counts[0] if counts else None,
+                                             counts is None)
     info["shard_counts"] = {state: sum(1 for s in shards if s["status"] == state) for state in SHARD_STATES}
     info["shard_counts"]["total"] = len(manifest.shards)
     info["shards"] = shards if all_shards else [s for s in shards if s["status"] in LISTED_STATES]
@@ -114,8 +131,8 @@ def render_jobs(rows: list[dict]) -> str:
     lines = [header]
     for r in rows:
         c = r["request_counts"]
-        lines.append((r["job_id"], r["status"], f"{r['rows_done']}/{c['total']}", str(c["completed"]),
-                      str(c["failed"]), str(c["cancelled"]),
+        lines.append((r["job_id"], r["status"], f"{r['rows_done']}/{c['total']}", _count(c["completed"]),
+                      _count(c["failed"]), _count(c["cancelled"]),
                       f"{r['shards_completed']}/{r['shards_failed']}/{r['num_shards']}",
                       str(r["output_tokens"] or 0), str(r["model"])))
     return _table(lines)
@@ -125,8 +142,8 @@ def render_job(info: dict) -> str:
     c = info["request_counts"]
     head = [
         f"job {info['job_id']}: {info['status']}",
-        f"requests: total {c['total']}, completed {c['completed']}, failed {c['failed']}, "
-        f"cancelled {c['cancelled']}",
+        f"requests: total {c['total']}, completed {_count(c['completed'])}, failed {_count(c['failed'])}, "
+        f"cancelled {_count(c['cancelled'])}",
         f"tokens: prompt {info.get('prompt_tokens') or 0}, output {info.get('output_tokens') or 0}",
     ]
     if info.get("error"):
@@ -145,6 +162,10 @@ def render_job(info: dict) -> str:
     return "\n".join(head) + "\n\n" + _table(lines) + note
 
 
+def _count(value: int | None) -> str:
+    return "?" if value is None else str(value)
+
+
 def _table(lines: list[tuple[str, ...]]) -> str:
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(lines[0]))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(line, widths, strict=True)).rstrip()
@@ -160,12 +181,7 @@ def cancel_job(manifest: JobManifest, reason: str) -> bool:
     The cancel marker is what workers act on; the store's cancel request is what the views show.
     False (and nothing written) when the job was cancelled already.
     """
-    paths = JobPaths.of(manifest.data_dir, manifest.job_id)
-    if paths.cancel_marker.exists():
-        return False
-    paths.cancel_marker.write_text(reason + "\n")
-    Store(manifest.data_dir).request_cancel(manifest.job_id, reason)
-    return True
+    return ShardLedger(manifest.data_dir, manifest.job_id).cancel_job(reason)
 
 
 
@@ -173,8 +189,8 @@ def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[i
     """Publish again the shards that failed for good, with a fresh retry budget; their ids."""
     from jobs.celery_app import publish_shard
 
-    paths = JobPaths.of(manifest.data_dir, manifest.job_id)
-    if paths.cancel_marker.exists():
+    ledger = ShardLedger(manifest.data_dir, manifest.job_id)
+    if ledger.cancelled:
         raise ValueError(f"job {manifest.job_id} was cancelled; its shards are not retried")
     con = connect(manifest.data_dir)
     try:
@@ -183,11 +199,7 @@ def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[i
             [manifest.job_id])]
     finally:
         con.close()
-    claims = ShardLeases(paths.leases).claimed_attempts()
-    store = Store(manifest.data_dir)
     for shard_id in failed:
-        next_attempt = (claims.get(shard_id) or [0])[-1] + 1
-        store.record_shard_events([ShardEvent(manifest.job_id, shard_id, "queued", time.time(),
-                                              attempt=next_attempt, error="retry requested")])
+        ledger.queue(shard_id, "retry requested")
         publish_shard(broker, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir)
     return failed
