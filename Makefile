@@ -6,7 +6,7 @@ BATCHGEN := $(VENV)/bin/batchgen
 export BATCHGEN_CACHE_DIR ?= $(CURDIR)/.cache/batchgen
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: setup demo test test-triton-compat chromium bench vllm-baseline gpu-check lint clean
+.PHONY: setup demo test test-triton-compat chromium bench vllm-baseline gpu-check lint clean soak
 
 # torch first and pinned: a CPU build on local disk; anything newer is a multi-GB CUDA download
 $(VENV)/.installed: pyproject.toml
@@ -67,6 +67,10 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 vllm-baseline: $(VLLM_VENV)/.installed
+
+# Faults against a real job on Redis (kill -9, a broker flush, a full disk); minutes; not in `make test`
+soak: setup
+	PYTHONPATH=$(CURDIR) $(PY) scripts/soak.py $(SOAK_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
