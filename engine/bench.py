@@ -3,7 +3,8 @@
 Prints output tokens/s, processed (prompt + output) tokens/s, model-FLOP utilisation against a GEMM
 peak measured in the same run, TTFT and ITL p50/p99. `--baseline hf` also runs transformers with
 static batching (padded batches, each run to its longest member) on the same workload in the same
-process and prints the ratio. `--constrained-share 0.25` also runs the workload with that share of
+process, `--baseline vllm` vLLM's CPU backend in a subprocess of its own venv (engine/vllm_baseline.py),
+and each prints its ratio. `--constrained-share 0.25` also runs the workload with that share of
 its requests constrained to a JSON schema (structured output), alternating plain and constrained
 runs, and prints the throughput ratio and the time spent filling grammar masks. Numbers, not
 pass/fail: this is not a timed test.
@@ -74,6 +75,7 @@ class BenchResult:
     num_iterations: int = 0
     num_constrained: int = 0  # requests with a JSON schema constraint
     mask_fill_s: float = 0.0  # time filling their grammar masks, all iterations
+    peak_rss_mb: float = 0.0  # the engine's process (all of vLLM's, for its baseline) at its highest
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -91,8 +93,8 @@ GEMM_PEAK_SHAPES = [(1024, 1024, 1024), (2048, 576, 1536), (2048, 2048, 2048), (
 
 def measure_gemm_peaks(dtype_name: str = "float32", device: str = "cpu", seconds: float = 1.5) -> dict:
     """Best FLOP/s per GEMM path over a few square and model-like shapes, in this process:
-    `torch.mm` always, and oneDNN with packed weights (what the engine's CPU fp32 path runs,
-    kernels/cpu_gemm.py) where it applies. MFU is taken against the best of them."""
+    `torch.mm` always, and oneDNN with packed weights (what the engine's CPU path runs in fp32 and
+    bf16, kernels/cpu_gemm.py) where it applies. MFU is taken against the best of them."""
     import torch
 
     from engine.model_runner import DTYPES
@@ -100,10 +102,10 @@ def measure_gemm_peaks(dtype_name: str = "float32", device: str = "cpu", seconds
 
     dtype = DTYPES[dtype_name]
     paths = {"torch.mm": lambda a, b: (lambda: torch.mm(a, b))}
-    if device == "cpu" and dtype == torch.float32 and cpu_gemm.enabled() and cpu_gemm.available():
+    if device == "cpu" and dtype in cpu_gemm.PACKED_DTYPES and cpu_gemm.enabled() and cpu_gemm.available():
         def onednn(a, b):
             packed = cpu_gemm.pack(b.t().contiguous())
-            return lambda: cpu_gemm.linear(a, b, packed)
+            return lambda: cpu_gemm.linear_native(a, packed)
         paths["onednn-packed"] = onednn
     peaks = {}
     for name, make in paths.items():
@@ -178,6 +180,39 @@ def run_engine(llm, workload: Workload, peak: float, name: str = "batchgen", tem
         if stats else 0.0,
         num_preemptions=sum(s.num_preempted for s in stats), num_iterations=len(stats),
         num_constrained=sum(constrained), mask_fill_s=sum(s.mask_fill_s for s in stats),
+        peak_rss_mb=peak_rss_mb(),
+    )
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (ru_maxrss, as VmHWM), MiB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_vllm(model_dir: str, workload: Workload, config, peak: float, args) -> BenchResult:
+    """vLLM's CPU backend on the workload, in its own venv (engine/vllm_baseline.py)."""
+    from engine import vllm_baseline
+
+    spec = vllm_baseline.make_spec(model_dir, workload.prompts, workload.output_lens, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.dtype, config.max_model_len)
+    try:
+        got = vllm_baseline.run(spec)
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
+    return baseline_result("vllm-cpu", got, workload, peak, args)
+
+
+def baseline_result(name: str, got: dict, workload: Workload, peak: float, args) -> BenchResult:
+    """A BenchResult from a subprocess's elapsed time, output tokens and peak RSS."""
+    elapsed, out_tokens = got["elapsed_s"], got["output_tokens"]
+    return BenchResult(
+        name=name, elapsed_s=elapsed, num_requests=len(workload.prompts),
+        prompt_tokens=workload.prompt_tokens, output_tokens=out_tokens,
+        output_tokens_per_s=out_tokens / elapsed,
+        processed_tokens_per_s=(workload.prompt_tokens + out_tokens) / elapsed,
+        mfu=_model_flops(args, workload) / elapsed / peak if peak else 0.0, peak_rss_mb=got["peak_rss_mb"],
     )
 
 
@@ -231,7 +266,8 @@ def format_table(results: list[BenchResult]) -> str:
             ("processed_tokens_per_s", "{:.1f}"), ("mfu", "{:.3f}"), ("ttft_p50_s", "{:.3f}"),
             ("ttft_p99_s", "{:.3f}"), ("itl_p50_s", "{:.4f}"), ("itl_p99_s", "{:.4f}"),
             ("mean_running", "{:.1f}"), ("mean_budget_utilisation", "{:.2f}"), ("num_preemptions", "{}"),
-            ("num_constrained", "{}"), ("mask_fill_s", "{:.3f}")]
+            ("num_constrained", "{}"), ("mask_fill_s", "{:.3f}"),
+            ("peak_rss_mb", "{:.0f}")]
     rows = [[c for c, _ in cols]] + [[f.format(getattr(r, c)) for c, f in cols] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows)
@@ -272,8 +308,9 @@ def build_llm(config, checkpoint=None):
 @click.command()
 @engine_options
 @workload_options
-@click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
-              help="also run transformers static batching on the same workload")
+@click.option("--baseline", type=click.Choice(["none", "hf", "vllm", "all"]), default="none",
+              help="also run transformers static batching (hf) and/or vLLM's CPU backend (vllm, from "
+                   "`make vllm-baseline`) on the same workload")
 @click.option("--hf-batch-size", type=int, default=16, show_default=True)
 @click.option("--constrained-share", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
               help="also run with this share of the requests constrained to a JSON schema (structured "
@@ -295,10 +332,12 @@ def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, h
         results = run_constrained_pair(llm, workload, peak, constrained_share)
     else:
         results = [run_engine(llm, workload, peak)]
-    if baseline == "hf":
-        model_dir = _hf_dir(llm.config.model)
-        results.append(run_hf_static(model_dir, workload, hf_batch_size, peak, args, llm.config.dtype))
-    _print(results, peaks, workload, as_json)
+    if baseline in ("hf", "all"):
+        results.append(run_hf_static(_hf_dir(llm.config.model), workload, hf_batch_size, peak, args,
+                                     llm.config.dtype))
+    if baseline in ("vllm", "all"):
+        results.append(run_vllm(_hf_dir(llm.config.model), workload, llm.config, peak, args))
+    _print(results, peaks, workload, as_json, llm.config)
 
 
 def _hf_dir(model: str) -> str:
@@ -306,17 +345,19 @@ def _hf_dir(model: str) -> str:
 
     resolved = resolve_model(model)
     if resolved.kind != "hf_dir":
-        raise click.UsageError(f"--baseline hf needs a model with a Hugging Face directory; {model!r} is "
+        raise click.UsageError(f"--baseline needs a model with a Hugging Face directory; {model!r} is "
                                f"{resolved.kind}")
     return str(resolved.path)
 
 
-def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json: bool) -> None:
+def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json: bool, config) -> None:
     peak = max(peaks.values())
     if as_json:
-        report = {"gemm_peak_flops": peak, "gemm_peaks": peaks, "results": [asdict(r) for r in results]}
+        report = {"gemm_peak_flops": peak, "gemm_peaks": peaks, "dtype": config.dtype,
+                  "dtype_reason": config.dtype_reason, "results": [asdict(r) for r in results]}
         click.echo(json.dumps(report, indent=2))
         return
+    click.echo(f"dtype: {config.dtype} ({config.dtype_reason})")
     click.echo(f"workload: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt tokens, "
                f"{workload.output_tokens} output tokens (seed {workload.seed})")
     each = ", ".join(f"{name} {value / 1e9:.1f}" for name, value in peaks.items())

@@ -2,8 +2,9 @@
 
 Fields left at None (or dtype "auto") take the defaults of the device they run on: the CPU's were
 measured on 2 cores (the sweep's knee), the GPU's are sized for one large GPU (bf16, the batch and
-token budget nano-vllm and vLLM use). After construction every such field holds its resolved value,
-so what a config says is what the engine runs.
+token budget nano-vllm and vLLM use). dtype "auto" on the CPU is bf16 where the CPU has native bf16
+(AVX512-BF16 or AMX), else fp32 (kernels/cpu_features.py); `dtype_reason` says why. After
+construction every such field holds its resolved value, so what a config says is what the engine runs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ _POLICIES = ("fcfs", "priority")
 
 # device kind -> (max_num_seqs, max_num_batched_tokens, dtype)
 DEVICE_DEFAULTS = {
-    "cpu": (128, 8192, "float32"),  # the sweep's best on 2 cores
+    "cpu": (128, 8192, "auto"),  # the sweep's best on 2 cores; dtype from the CPU's features
     "cuda": (256, 16384, "bfloat16"),
 }
 
@@ -52,12 +53,15 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=False, metadata=_flag("Reuse shared prefixes' KV."))
     scheduling_policy: str = field(default="fcfs", metadata=_flag("Default fcfs.", choices=_POLICIES))
     dtype: str = field(default="auto", metadata=_flag(
-        "Weights, KV cache and activations; auto (default): float32 on CPU, bfloat16 on CUDA.",
+        "Weights, KV cache and activations; auto (default): bfloat16 on CUDA and on CPUs with native "
+        "bf16 (AVX512-BF16, AMX), else float32.",
         choices=("auto", *_DTYPES)))
     device: str = field(default="cpu", metadata=_flag("cpu, cuda or cuda:N (default cpu)."))
     enforce_eager: bool = field(default=False, metadata=_flag(
         "No CUDA graphs (and no padded decode buckets on CPU): every step runs eagerly."))
     seed: int = 0  # seeds requests that give no seed of their own (jobs set it per row: --seed)
+    dtype_reason: str = field(default="", compare=False)  # set on construction: "given", or why "auto"
+    # resolved to dtype (derived, so no flag and not compared)
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device == "cuda"
@@ -69,8 +73,17 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = tokens
         if self.dtype == "auto":
-            self.dtype = dtype
+            self.dtype, self.dtype_reason = self._auto_dtype(dtype)
+        self.dtype_reason = self.dtype_reason or "given"
         self._validate()
+
+    def _auto_dtype(self, default: str) -> tuple[str, str]:
+        if default != "auto":
+            return default, f"auto: the {self.device_kind} default"
+        from kernels.cpu_features import auto_dtype
+
+        dtype, why = auto_dtype()
+        return dtype, f"auto: {why}"
 
     @property
     def device_kind(self) -> str:

@@ -373,7 +373,7 @@ def _build_model(args: ModelArgs, weights: dict[str, torch.Tensor], config: Engi
         raise RuntimeError(f"--device {config.device}: this machine has {torch.cuda.device_count()} CUDA "
                            "device(s)")
     with torch.device("meta"):
-        model = Transformer(args)
-    model = model.to_empty(device=device).to(DTYPES[config.dtype])
+        model = Transformer(args).to(DTYPES[config.dtype])  # allocated once, in the dtype it runs in
+    model = model.to_empty(device=device)
     model.load_hf_weights(weights)
     return model.eval()

@@ -1,9 +1,10 @@
 """Llama-architecture decoder over a flattened variable-length batch and a paged KV cache.
 
 Every step feeds T new tokens from S sequences as one flat batch: no padding, no per-sequence loop
-outside attention. Attention, norms, RoPE and the MLP activation go through `kernels.ops`, which
-picks Triton on CUDA and the torch references elsewhere. q/k/v and gate/up projections are fused
-into one GEMM each.
+outside attention. Projections are plain bias-free `nn.Linear`s; they, attention, norms, RoPE and
+the MLP activation all run through `kernels.ops`, the one dispatch (Triton on CUDA, the cpu-native
+kernels and packed GEMMs on the CPU, the torch references elsewhere). q/k/v and gate/up projections
+are fused into one GEMM each.
 """
 
 from __future__ import annotations
@@ -13,20 +14,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from kernels import cpu_gemm, ops
+from kernels import ops
 from kernels.metadata import AttentionMetadata
-
-
-class Linear(nn.Linear):
-    """nn.Linear without bias whose CPU fp32 forward can use a oneDNN-packed copy of the weight
-    (kernels/cpu_gemm.py), made by Transformer.pack_weights(); the parameter itself is unchanged."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
-        self.packed: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.packed)
 
 
 @dataclass
@@ -96,13 +85,13 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.q_size = args.n_heads * args.head_dim
         self.kv_size = args.n_kv_heads * args.head_dim
-        self.qkv_proj = Linear(args.dim, self.q_size + 2 * self.kv_size)
-        self.o_proj = Linear(self.q_size, args.dim)
+        self.qkv_proj = nn.Linear(args.dim, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, args.dim, bias=False)
         self.scale = args.head_dim ** -0.5
 
     def forward(self, x, positions, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = ops.linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.n_heads, self.head_dim)  # (T, Hq, D)
         k = k.view(T, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(T, self.n_kv_heads, self.head_dim)
@@ -110,17 +99,18 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return ops.linear(out.reshape(T, self.q_size), self.o_proj)
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(args.dim, 2 * args.intermediate_size)
-        self.down_proj = Linear(args.intermediate_size, args.dim)
+        self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # (T, I) -> (T, dim)
+        hidden = ops.silu_and_mul(ops.linear(x, self.gate_up_proj))  # (T, 2I) -> (T, I)
+        return ops.linear(hidden, self.down_proj)  # (T, dim)
 
 
 class DecoderLayer(nn.Module):
@@ -149,19 +139,22 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
         self.norm = nn.Parameter(torch.ones(args.dim))
-        self.lm_head = None if args.tie_word_embeddings else Linear(args.dim, args.vocab_size)
+        self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
-        self.tied_head_packed: torch.Tensor | None = None  # packed embedding, for a tied lm_head
+        # a tied lm_head as a Linear over the embedding's tensor: packing swaps in a packed one
+        # (the head's only copy of its own; the embedding keeps the plain rows for lookups)
+        self.tied_head: nn.Linear | None = None
 
     def pack_weights(self) -> bool:
-        """Make oneDNN-packed copies of every projection's weight (and the lm_head's) for the CPU fp32
-        path; returns whether packing applied. Call again after the weights change."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        for m in linears:
-            m.packed = cpu_gemm.pack(m.weight)
-        if self.lm_head is None:
-            self.tied_head_packed = cpu_gemm.pack(self.embed_tokens.weight)
-        return all(m.packed is not None for m in linears)
+        """Pack every projection's weight (and the lm_head's) in place for the CPU's oneDNN GEMMs
+        (kernels.ops.pack_linears); returns whether packing applied."""
+        if self.lm_head is None and self.tied_head is None:
+            self.tied_head = nn.Linear(self.args.dim, self.args.vocab_size, bias=False, device="meta")
+            self.tied_head.weight = self.embed_tokens.weight  # shared until packed
+        packed = ops.pack_linears(self)
+        if not packed and self.tied_head is not None and not self.tied_head.weight.is_mkldnn:
+            self.tied_head = None  # nothing packed: the embedding serves as the head, as before
+        return packed
 
     def init_rope(self, max_len: int) -> None:
         w = self.embed_tokens.weight
@@ -179,13 +172,18 @@ class Transformer(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, dim) -> (S, vocab) in float32."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return cpu_gemm.linear(hidden, self.embed_tokens.weight, self.tied_head_packed).float()
+        head = self.lm_head or self.tied_head
+        if head is not None:
+            return ops.linear(hidden, head).float()
+        return nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face Llama tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        packed = self.tied_head is not None or any(
+            m.weight.is_mkldnn for m in self.modules() if isinstance(m, nn.Linear))
+        ops.unpack_linears(self)  # plain weights to copy into; packed again below
+        self.tied_head = None
         params = dict(self.named_parameters())
         done: set[str] = set()
 
@@ -202,9 +200,8 @@ class Transformer(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:6])}"
                              + (" ..." if len(missing) > 6 else ""))
-        if self.tied_head_packed is not None or any(
-                m.packed is not None for m in self.modules() if isinstance(m, Linear)):
-            self.pack_weights()  # packed copies must not go stale
+        if packed:
+            self.pack_weights()
 
 
 def _fused_hf_tensors(weights: dict[str, torch.Tensor], args: ModelArgs):

@@ -126,8 +126,9 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
     set_runtime(runtime)
     signals.worker_shutting_down.connect(lambda sig=None, **_: _on_shutdown(runtime, sig), weak=False)
     signals.worker_ready.connect(_wake_hub_every_second, weak=False)
-    log.info("worker %s: model %s loaded; consuming %s queue %r (concurrency %d)", worker_id, config.model,
-             settings.display_url, settings.queue, concurrency)
+    log.info("worker %s: model %s loaded, dtype %s (%s); consuming %s queue %r (concurrency %d)",
+             worker_id, config.model, config.dtype, config.dtype_reason, settings.display_url, settings.queue,
+             concurrency)
     try:
         celery_worker = app.Worker(
             hostname=worker_id, pool="threads", concurrency=concurrency, queues=[settings.queue],

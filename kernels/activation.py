@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_native
 from kernels._triton import tl, triton
 
 
@@ -42,3 +43,15 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x (T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
+    """x (T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
+    stride = cpu_native.row_stride(x, "silu_and_mul")
+    if x.shape[1] % 2:
+        raise ValueError(f"native silu_and_mul: x needs [gate | up] halves, got an odd width {x.shape[1]}")
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=x.dtype)
+    cpu_native.library().silu_and_mul_f32(x.data_ptr(), stride, out.data_ptr(), rows, inter,
+                                          torch.get_num_threads())
+    return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_native
 from kernels._triton import tl, triton
 
 _LOG2E = 1.4426950408889634
@@ -219,27 +220,18 @@ def paged_decode_attention_ref(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
-    max_context_len: int,
     scale: float,
 ) -> torch.Tensor:
     """q (S, Hq, D), one token per sequence, attends to its context_lens[s] cached keys -> (S, Hq, D).
 
-    Vectorised across sequences: gather every sequence's blocks into (S, L, Hkv, D) with L the
-    longest context rounded up to whole blocks, mask positions past each context length, and run
-    one batched SDPA with grouped query heads.
+    The torch backend's one decode attention (the specification the Triton and native kernels are
+    tested against): plan the groups, then paged_decode_attention_planned, which kernels.ops calls
+    with a plan made once per step and shared by every layer.
     """
-    num_seqs, _, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_blocks = -(-max_context_len // block_size)
-    tables = block_tables[:num_seqs, :num_blocks]  # (S, nb)
-    keys = k_cache[tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # (S, Hkv, L, D)
-    values = v_cache[tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    key_pos = torch.arange(keys.shape[2], device=q.device)
-    valid = (key_pos[None, :] < context_lens[:num_seqs, None]).view(num_seqs, 1, 1, -1)  # (S, 1, 1, L)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=valid, scale=scale, enable_gqa=True
-    )  # (S, Hq, 1, D)
-    return out.squeeze(2)
+    num_seqs = q.shape[0]
+    plan = plan_decode_groups(context_lens[:num_seqs].tolist(), block_tables[:num_seqs],
+                              context_lens[:num_seqs], k_cache.shape[1])
+    return paged_decode_attention_planned(q, k_cache, v_cache, plan, scale)
 
 
 @dataclass
@@ -292,7 +284,8 @@ def _decode_group(
 def paged_decode_attention_planned(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[DecodeGroup], scale: float
 ) -> torch.Tensor:
-    """The torch decode path: paged_decode_attention_ref's math, one batched SDPA per group."""
+    """The torch decode path: gather each group's blocks into (n, Hkv, L, D) with L its longest context
+    rounded up to whole blocks, mask positions past each context length, one batched SDPA per group."""
     if len(plan) == 1 and plan[0].seqs is None:
         return _attend_group(q, k_cache, v_cache, plan[0], scale)
     out = torch.empty_like(q)
@@ -314,3 +307,42 @@ def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.view(num_seqs, num_kv_heads, group_size, head_dim), keys, values, attn_mask=group.mask, scale=scale
     )  # (n, Hkv, G, D)
     return out.reshape(num_seqs, num_kv_heads * group_size, head_dim)
+
+
+_NATIVE_ERRORS = {1: "out of memory", 2: "more than 64 query heads per KV head"}
+
+
+def paged_decode_attention_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_threads: int | None = None,
+) -> torch.Tensor:
+    """q (S, Hq, D) fp32, one query token per sequence, attends to its context_lens[s] cached keys
+    in k_cache/v_cache (num_blocks, block_size, Hkv, D) through block_tables (>= S, nb) int32
+    -> (S, Hq, D). The same contract as kernels.attention_decode.paged_decode_attention_ref."""
+    lib = cpu_native.library()
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape or kv_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"native paged attention: q {tuple(q.shape)} does not fit caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(-1) != 1:
+        raise ValueError("native paged attention: needs contiguous caches and a contiguous q head dim")
+    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
+        raise ValueError("native paged attention: block_tables and context_lens must be int32")
+    if block_tables.stride(-1) != 1 or not context_lens.is_contiguous() or len(context_lens) < num_seqs:
+        raise ValueError("native paged attention: block_tables rows and context_lens must be contiguous")
+    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype)
+    status = lib.paged_decode_attention_f32(
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(),
+        num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+        num_threads or torch.get_num_threads(),
+    )
+    if status:
+        raise RuntimeError(f"native paged attention failed: {_NATIVE_ERRORS.get(status, status)}")
+    return out

@@ -113,8 +113,7 @@ def decode_case(batch: int, context: int, model: str, dtype, device, block_size:
 
     def run_torch(p: PagedInputs):
         return attention_decode.paged_decode_attention_ref(
-            p.q, p.k_cache, p.v_cache, p.meta.block_tables, p.meta.context_lens, p.meta.max_context_len,
-            p.scale)
+            p.q, p.k_cache, p.v_cache, p.meta.block_tables, p.meta.context_lens, p.scale)
 
     return Case("decode_attention", f"B={batch} ctx<={context} {model}", make, run_triton, run_torch,
                 bytes_moved=kv_bytes + io_bytes)

@@ -1,5 +1,7 @@
-"""Native CPU kernels: C sources in kernels/csrc, compiled once with the system C compiler into the
-batchgen cache and loaded with ctypes (no torch headers, so a build takes about a second).
+"""The cpu-native backend's library: C sources in kernels/csrc, compiled once with the system C
+compiler into the batchgen cache and loaded with ctypes (no torch headers, so a build takes about a
+second). Each kernel's Python launcher (`*_native`) lives in its kernel's file beside the torch
+reference it is tested against; kernels.ops chooses between them.
 
 The kernels (fp32): paged decode attention, which reads keys and values in place from the
 block-paged cache instead of gathering them (the gather was ~16% of a decode step on 2 cores), and
@@ -140,6 +142,14 @@ def why_unavailable() -> str:
     return _why_not
 
 
+def library() -> ctypes.CDLL:
+    """load(), or a RuntimeError saying why not (for a native kernel called directly)."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError(f"native CPU kernels unavailable: {_why_not}")
+    return lib
+
+
 def supports(*tensors: torch.Tensor) -> bool:
     """Whether the native kernels apply: enabled, fp32 CPU tensors whose last dims are contiguous, a
     loadable library. Anything else takes the torch path."""
@@ -148,124 +158,9 @@ def supports(*tensors: torch.Tensor) -> bool:
             and load() is not None)
 
 
-_ERRORS = {1: "out of memory", 2: "more than 64 query heads per KV head"}
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    num_threads: int | None = None,
-) -> torch.Tensor:
-    """q (S, Hq, D) fp32, one query token per sequence, attends to its context_lens[s] cached keys
-    in k_cache/v_cache (num_blocks, block_size, Hkv, D) through block_tables (>= S, nb) int32
-    -> (S, Hq, D). The same contract as kernels.attention_decode.paged_decode_attention_ref."""
-    lib = load()
-    if lib is None:
-        raise RuntimeError(f"native CPU kernels unavailable: {_why_not}")
-    num_seqs, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
-    if v_cache.shape != k_cache.shape or kv_dim != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(f"native paged attention: q {tuple(q.shape)} does not fit caches "
-                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(-1) != 1:
-        raise ValueError("native paged attention: needs contiguous caches and a contiguous q head dim")
-    if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
-        raise ValueError("native paged attention: block_tables and context_lens must be int32")
-    if block_tables.stride(-1) != 1 or not context_lens.is_contiguous() or len(context_lens) < num_seqs:
-        raise ValueError("native paged attention: block_tables rows and context_lens must be contiguous")
-    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype)
-    status = lib.paged_decode_attention_f32(
-        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(),
-        num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale,
-        num_threads or torch.get_num_threads(),
-    )
-    if status:
-        raise RuntimeError(f"native paged attention failed: {_ERRORS.get(status, status)}")
-    return out
-
-
-def _rows(x: torch.Tensor, name: str) -> int:
+def row_stride(x: torch.Tensor, name: str) -> int:
     """Row stride of a 2-D fp32 tensor whose last dim is contiguous."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"native {name}: need a 2-D tensor with a contiguous last dim, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")
     return x.stride(0)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight * rms-normalised r, r) with r = x + residual, or r = x (returned as None) without one.
-    x (T, D); the same contract as kernels.rms_norm's references."""
-    stride = _rows(x, "rms_norm")
-    rows, dim = x.shape
-    if weight.numel() != dim or (residual is not None and residual.shape != x.shape):
-        got = "" if residual is None else f", residual {tuple(residual.shape)}"
-        raise ValueError(f"native rms_norm: x {tuple(x.shape)} needs a weight of {dim} and a residual of its "
-                         f"shape; got weight {weight.numel()}{got}")
-    out = torch.empty((rows, dim), dtype=x.dtype)
-    residual_out = None
-    if residual is not None:
-        residual = residual.contiguous()
-        residual_out = torch.empty((rows, dim), dtype=x.dtype)
-    weight = weight.contiguous()
-    load().rms_norm_f32(x.data_ptr(), stride, None if residual is None else residual.data_ptr(),
-                        weight.data_ptr(), out.data_ptr(),
-                        None if residual_out is None else residual_out.data_ptr(), rows, dim, eps,
-                        torch.get_num_threads())
-    return out, residual_out
-
-
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q (T, Hq, D) and k (T, Hkv, D) in place; head dims contiguous, any other strides."""
-    if q.stride(2) != 1 or k.stride(2) != 1 or not cos_sin_cache.is_contiguous():
-        raise ValueError("native rotary: q and k need contiguous head dims, cos_sin_cache contiguity")
-    positions = positions.to(torch.int64).contiguous()
-    rows, dim = q.shape[0], q.shape[2]
-    if k.shape[0] != rows or k.shape[2] != dim or positions.numel() != rows or cos_sin_cache.shape[-1] != dim:
-        raise ValueError(f"native rotary: q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
-                         f"{tuple(positions.shape)}, cos_sin_cache {tuple(cos_sin_cache.shape)} do not fit")
-    lo, hi = (int(positions.min()), int(positions.max())) if rows else (0, 0)
-    if not 0 <= lo <= hi < cos_sin_cache.shape[0]:
-        raise IndexError(f"native rotary: positions {lo}..{hi} outside the rotary cache's "
-                         f"{cos_sin_cache.shape[0]} positions")
-    load().rotary_f32(positions.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), q.shape[1],
-                      k.data_ptr(), k.stride(0), k.stride(1), k.shape[1], cos_sin_cache.data_ptr(), rows, dim,
-                      torch.get_num_threads())
-    return q, k
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x (T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
-    stride = _rows(x, "silu_and_mul")
-    if x.shape[1] % 2:
-        raise ValueError(f"native silu_and_mul: x needs [gate | up] halves, got an odd width {x.shape[1]}")
-    rows, inter = x.shape[0], x.shape[1] // 2
-    out = torch.empty((rows, inter), dtype=x.dtype)
-    load().silu_and_mul_f32(x.data_ptr(), stride, out.data_ptr(), rows, inter, torch.get_num_threads())
-    return out
-
-
-def store_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Write key/value (T, Hkv, D) into k_cache/v_cache (num_blocks, block_size, Hkv, D) at flat slots
-    slot_mapping (T,); slot -1 skips. Rows may be strided (views of the qkv GEMM's output)."""
-    rows, heads, dim = key.shape
-    for name, x in (("key", key), ("value", value)):
-        if x.stride(2) != 1 or x.stride(1) != dim:
-            raise ValueError(f"native store_kv_cache: {name} needs contiguous heads and head dim")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
-        raise ValueError("native store_kv_cache: caches must be contiguous and of one shape")
-    slots = slot_mapping.to(torch.int64).contiguous()
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    bad = load().store_kv_cache_f32(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                                    k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), rows,
-                                    heads * dim, num_slots)
-    if bad:
-        raise IndexError(f"store_kv_cache: token {bad - 1} has slot {int(slots[bad - 1])}, outside the "
-                         f"cache's {num_slots} slots")

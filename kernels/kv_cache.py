@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_native
 from kernels._triton import tl, triton
 
 
@@ -92,3 +93,23 @@ def store_kv_cache_ref(
     slots = slot_mapping[keep]
     flat_k.index_copy_(0, slots, key[keep].to(k_cache.dtype))
     flat_v.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+
+
+def store_kv_cache_native(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key/value (T, Hkv, D) into k_cache/v_cache (num_blocks, block_size, Hkv, D) at flat slots
+    slot_mapping (T,); slot -1 skips. Rows may be strided (views of the qkv GEMM's output)."""
+    rows, heads, dim = key.shape
+    for name, x in (("key", key), ("value", value)):
+        if x.stride(2) != 1 or x.stride(1) != dim:
+            raise ValueError(f"native store_kv_cache: {name} needs contiguous heads and head dim")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
+        raise ValueError("native store_kv_cache: caches must be contiguous and of one shape")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    bad = cpu_native.library().store_kv_cache_f32(
+        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
+        v_cache.data_ptr(), slots.data_ptr(), rows, heads * dim, num_slots)
+    if bad:
+        raise IndexError(f"store_kv_cache: token {bad - 1} has slot {int(slots[bad - 1])}, outside the "
+                         f"cache's {num_slots} slots")

@@ -1,57 +1,128 @@
-"""The one kernel dispatch the engine calls: Triton on CUDA tensors, the torch reference elsewhere.
+"""The one kernel dispatch the model calls, with an explicit backend table.
 
-`BATCHGEN_KERNELS=torch|triton` (read once, and again on `set_backend(None)`) or `set_backend(name)`
-forces one backend for every call; `auto` (or unset) picks by the tensor's device. Triton on CPU
-tensors runs only under the Triton interpreter (`TRITON_INTERPRET=1`, set before kernels are
-imported). The torch path is the CPU production path: every function here is vectorised and
-reads host-side lengths from the `*_cpu` lists of AttentionMetadata, never from tensors. On fp32
-CPU tensors decode attention and the elementwise ops go to the native C kernels
-(kernels/cpu_native.py) when they build; `BATCHGEN_NATIVE=0` keeps the pure torch path.
+Backends: `triton` (CUDA tensors; CPU tensors only under the Triton interpreter, TRITON_INTERPRET=1
+set before kernels are imported), `cpu-native` (the CPU's production path: the C kernels of
+kernels/csrc for fp32 and oneDNN's packed GEMMs for fp32/bf16, wherever they apply) and `torch` (the
+references: the specification every other implementation is tested against, and what runs where
+nothing else applies). Each implementation lives in its kernel's file beside its reference; KERNELS
+below names them. `BATCHGEN_KERNELS=torch|triton|cpu-native` (read once, and again on
+`set_backend(None)`) or `set_backend(name)` forces one backend for every call; `auto` (or unset)
+picks Triton on CUDA and cpu-native on the CPU. `BATCHGEN_NATIVE=0` / `BATCHGEN_ONEDNN=0` switch the
+C kernels / the packed GEMMs off. Everything here reads host-side lengths from the `*_cpu` lists
+of AttentionMetadata, never from tensors.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
-from kernels import cpu_native
+from kernels import cpu_gemm, cpu_native
 from kernels._triton import HAS_TRITON, interpreting
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.activation import silu_and_mul_native, silu_and_mul_ref, silu_and_mul_triton
 from kernels.attention_decode import (
+    paged_decode_attention_native,
     paged_decode_attention_planned,
     paged_decode_attention_triton,
     plan_decode_groups,
 )
 from kernels.attention_prefill import paged_prefill_attention_ref, paged_prefill_attention_triton
-from kernels.kv_cache import store_kv_cache_ref, store_kv_cache_triton
+from kernels.kv_cache import store_kv_cache_native, store_kv_cache_ref, store_kv_cache_triton
 from kernels.metadata import AttentionMetadata, build_attention_metadata
-from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref, rms_norm_triton
-from kernels.rotary import make_cos_sin_cache, rotary_embedding_ref, rotary_embedding_triton
+from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_native, rms_norm_ref, rms_norm_triton
+from kernels.rotary import (
+    make_cos_sin_cache,
+    rotary_embedding_native,
+    rotary_embedding_ref,
+    rotary_embedding_triton,
+)
 
 __all__ = [
+    "KERNELS",
     "AttentionMetadata",
     "build_attention_metadata",
     "fused_add_rms_norm",
     "get_backend",
+    "linear",
     "make_cos_sin_cache",
+    "pack_linears",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
     "set_backend",
     "silu_and_mul",
     "store_kv_cache",
+    "unpack_linears",
 ]
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "cpu-native")
 ENV_VAR = "BATCHGEN_KERNELS"
 _forced_backend: str | None = None  # set_backend() override; None defers to BATCHGEN_KERNELS
 _env_backend: str = os.environ.get(ENV_VAR) or "auto"  # read once: not on every kernel call
 
 
+def _decode_torch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    num_decodes: int, scale: float,
+) -> torch.Tensor:
+    """The torch decode attention, planned once per step by the first layer and shared by the rest."""
+    if meta.torch_decode_plan is None:
+        meta.torch_decode_plan = plan_decode_groups(
+            meta.context_lens_cpu[:num_decodes], meta.block_tables[:num_decodes],
+            meta.context_lens[:num_decodes], k_cache.shape[1],
+        )
+    return paged_decode_attention_planned(q, k_cache, v_cache, meta.torch_decode_plan, scale)
+
+
+# op -> backend -> implementation, every entry with the op's own signature. decode_attention is
+# paged_attention's decode half (prefill chunks: Triton's kernel or the torch reference); linear's
+# cpu-native entry takes the weight pack_linears packed (the weight's form decides, not the call).
+KERNELS: dict[str, dict[str, Callable]] = {
+    "rms_norm": {
+        "torch": rms_norm_ref,
+        "triton": lambda x, w, eps: rms_norm_triton(x, w, eps)[0],
+        "cpu-native": lambda x, w, eps: rms_norm_native(x, w, eps)[0],
+    },
+    "fused_add_rms_norm": {
+        "torch": fused_add_rms_norm_ref,
+        "triton": lambda x, residual, w, eps: rms_norm_triton(x, w, eps, residual),
+        "cpu-native": lambda x, residual, w, eps: rms_norm_native(x, w, eps, residual),
+    },
+    "rotary_embedding": {
+        "torch": rotary_embedding_ref,
+        "triton": rotary_embedding_triton,
+        "cpu-native": rotary_embedding_native,
+    },
+    "silu_and_mul": {
+        "torch": silu_and_mul_ref,
+        "triton": silu_and_mul_triton,
+        "cpu-native": silu_and_mul_native,
+    },
+    "store_kv_cache": {
+        "torch": store_kv_cache_ref,
+        "triton": store_kv_cache_triton,
+        "cpu-native": store_kv_cache_native,
+    },
+    "decode_attention": {
+        "torch": _decode_torch,
+        "triton": lambda q, k_cache, v_cache, meta, n, scale: paged_decode_attention_triton(
+            q, k_cache, v_cache, meta.block_tables[:n], meta.context_lens[:n], scale),
+        "cpu-native": lambda q, k_cache, v_cache, meta, n, scale: paged_decode_attention_native(
+            q, k_cache, v_cache, meta.block_tables[:n], meta.context_lens[:n], scale),
+    },
+    "linear": {
+        "torch": cpu_gemm.linear_ref,
+        "triton": cpu_gemm.linear_ref,  # cuBLAS through torch
+        "cpu-native": cpu_gemm.linear_native,
+    },
+}
+
+
 def set_backend(name: str | None) -> None:
-    """Force `torch` or `triton` for every call (`auto` or None: back to BATCHGEN_KERNELS, read again,
-    and the tensor's device)."""
+    """Force one backend for every call (`auto` or None: back to BATCHGEN_KERNELS, read again)."""
     global _forced_backend, _env_backend
     if name is not None and name not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS} or None, got {name!r}")
@@ -60,11 +131,12 @@ def set_backend(name: str | None) -> None:
 
 
 def get_backend(x: torch.Tensor) -> str:
-    """The backend a call on tensor x uses: 'torch' or 'triton'."""
+    """The backend family for a call on tensor x: 'torch', 'triton' or 'cpu-native' (which falls
+    back to torch per call where its kernels do not apply; see _pick)."""
     name = _forced_backend or _env_backend
     if name == "auto":
-        return "triton" if x.is_cuda and HAS_TRITON else "torch"
-    if name == "torch":
+        return "triton" if x.is_cuda and HAS_TRITON else "torch" if x.is_cuda else "cpu-native"
+    if name in ("torch", "cpu-native"):
         return name
     if name != "triton":
         raise ValueError(f"BATCHGEN_KERNELS must be one of {BACKENDS}, got {name!r}")
@@ -78,44 +150,38 @@ def get_backend(x: torch.Tensor) -> str:
     return name
 
 
+def _pick(op: str, x: torch.Tensor, *tensors: torch.Tensor, fits: bool = True) -> Callable:
+    """KERNELS[op]'s implementation for this call: cpu-native only where its C kernels take these
+    tensors (fp32, contiguous last dims, a built library) and the op's shapes `fits`."""
+    backend = get_backend(x)
+    if backend == "cpu-native" and not (fits and cpu_native.supports(x, *tensors)):
+        backend = "torch"
+    return KERNELS[op][backend]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x (T, D), scaled by weight (D,)."""
-    if get_backend(x) == "triton":
-        return rms_norm_triton(x, weight, eps)[0]
-    if x.dim() == 2 and cpu_native.supports(x, weight):
-        return cpu_native.rms_norm(x, weight, eps)[0]
-    return rms_norm_ref(x, weight, eps)
+    return _pick("rms_norm", x, weight, fits=x.dim() == 2)(x, weight, eps)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual_out = x + residual; returns (rms_norm(residual_out), residual_out)."""
-    if get_backend(x) == "triton":
-        return rms_norm_triton(x, weight, eps, residual)
-    if x.dim() == 2 and x.shape == residual.shape and cpu_native.supports(x, residual, weight):
-        return cpu_native.rms_norm(x, weight, eps, residual)
-    return fused_add_rms_norm_ref(x, residual, weight, eps)
+    fits = x.dim() == 2 and x.shape == residual.shape
+    return _pick("fused_add_rms_norm", x, residual, weight, fits=fits)(x, residual, weight, eps)
 
 
 def rotary_embedding(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (T, Hq, D) and k (T, Hkv, D) in place by positions (T,) int64; returns (q, k)."""
-    if get_backend(q) == "triton":
-        return rotary_embedding_triton(positions, q, k, cos_sin_cache)
-    if cpu_native.supports(q, k, cos_sin_cache):
-        return cpu_native.rotary_embedding(positions, q, k, cos_sin_cache)
-    return rotary_embedding_ref(positions, q, k, cos_sin_cache)
+    return _pick("rotary_embedding", q, k, cos_sin_cache)(positions, q, k, cos_sin_cache)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x (T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
-    if get_backend(x) == "triton":
-        return silu_and_mul_triton(x)
-    if x.dim() == 2 and cpu_native.supports(x):
-        return cpu_native.silu_and_mul(x)
-    return silu_and_mul_ref(x)
+    return _pick("silu_and_mul", x, fits=x.dim() == 2)(x)
 
 
 def store_kv_cache(
@@ -126,12 +192,30 @@ def store_kv_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Write key/value (T, Hkv, D) into k_cache/v_cache (num_blocks, block_size, Hkv, D); slot -1 skips."""
-    if get_backend(key) == "triton":
-        store_kv_cache_triton(key, value, k_cache, v_cache, slot_mapping)
-    elif cpu_native.supports(key, value, k_cache, v_cache) and key.shape[1:] == k_cache.shape[2:]:
-        cpu_native.store_kv_cache(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        store_kv_cache_ref(key, value, k_cache, v_cache, slot_mapping)
+    fits = key.shape[1:] == k_cache.shape[2:]
+    store = _pick("store_kv_cache", key, value, k_cache, v_cache, fits=fits)
+    store(key, value, k_cache, v_cache, slot_mapping)
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """x (T, K) through a bias-free nn.Linear -> (T, N): oneDNN when pack_linears packed its weight."""
+    weight = layer.weight
+    if cpu_gemm.is_packed(weight):
+        return KERNELS["linear"]["cpu-native"](x, weight)
+    return KERNELS["linear"]["torch"](x, weight)
+
+
+def pack_linears(module: nn.Module) -> bool:
+    """The cpu-native GEMMs' weights: every bias-free nn.Linear under module packed in place for
+    oneDNN (CPU, fp32 or bf16); returns whether all were. A no-op under the torch backend."""
+    probe = next(module.parameters())
+    if get_backend(probe) != "cpu-native":
+        return False
+    return cpu_gemm.pack_linears(module)
+
+
+def unpack_linears(module: nn.Module) -> None:
+    cpu_gemm.unpack_linears(module)
 
 
 def paged_attention(
@@ -142,11 +226,27 @@ def paged_attention(
     Every query token attends causally to its sequence's cached keys (this step's included:
     store_kv_cache runs first). Query heads are grouped over KV heads (Hq a multiple of Hkv).
     """
-    if get_backend(q) == "torch":
-        return _paged_attention_torch(q, k_cache, v_cache, meta, scale)
+    if get_backend(q) == "triton":
+        return _paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    decode = _pick("decode_attention", q, k_cache)  # the C kernel reads blocks in place: no gather
+    nd = meta.num_decodes
+    if nd == len(meta.query_lens_cpu):
+        return decode(q, k_cache, v_cache, meta, nd, scale)
+    chunks = paged_prefill_attention_ref(
+        q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.query_lens_cpu[nd:],
+        meta.context_lens_cpu[nd:], scale,
+    )
+    if nd == 0:
+        return chunks
+    return torch.cat([decode(q[:nd], k_cache, v_cache, meta, nd, scale), chunks])
+
+
+def _paged_attention_triton(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     nd = meta.num_decodes
     if nd == meta.num_seqs:  # decode-only step (the one CUDA graphs capture)
-        return paged_decode_attention_triton(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        return KERNELS["decode_attention"]["triton"](q, k_cache, v_cache, meta, nd, scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if nd:  # a mixed step's decodes take the decode kernel: one query row per sequence, no wasted tile
         paged_decode_attention_triton(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
@@ -156,35 +256,3 @@ def paged_attention(
         meta.context_lens[nd:], meta.max_query_len, scale, out=out[nd:],
     )
     return out
-
-
-def _paged_attention_torch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """Decodes in one vectorised batch, prefill chunks one SDPA per sequence."""
-    num_decodes = meta.num_decodes
-    if num_decodes == len(meta.query_lens_cpu):
-        return _decode_torch(q, k_cache, v_cache, meta, num_decodes, scale)
-    chunks = paged_prefill_attention_ref(
-        q[num_decodes:], k_cache, v_cache, meta.block_tables[num_decodes:],
-        meta.query_lens_cpu[num_decodes:], meta.context_lens_cpu[num_decodes:], scale,
-    )
-    if num_decodes == 0:
-        return chunks
-    return torch.cat([_decode_torch(q[:num_decodes], k_cache, v_cache, meta, num_decodes, scale), chunks])
-
-
-def _decode_torch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    num_decodes: int, scale: float,
-) -> torch.Tensor:
-    if cpu_native.supports(q, k_cache):  # reads the blocks in place: no gather, no padding
-        return cpu_native.paged_decode_attention(
-            q, k_cache, v_cache, meta.block_tables[:num_decodes], meta.context_lens[:num_decodes], scale
-        )
-    if meta.torch_decode_plan is None:  # the first layer of the step plans for all of them
-        meta.torch_decode_plan = plan_decode_groups(
-            meta.context_lens_cpu[:num_decodes], meta.block_tables[:num_decodes],
-            meta.context_lens[:num_decodes], k_cache.shape[1],
-        )
-    return paged_decode_attention_planned(q, k_cache, v_cache, meta.torch_decode_plan, scale)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_native
 from kernels._triton import tl, triton
 
 
@@ -77,3 +78,26 @@ def fused_add_rms_norm_ref(
     """residual_out = x + residual; returns (rms_norm(residual_out), residual_out)."""
     residual_out = x + residual
     return rms_norm_ref(residual_out, weight, eps), residual_out
+
+
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight * rms-normalised r, r) with r = x + residual, or r = x (returned as None) without one.
+    x (T, D); the same contract as kernels.rms_norm's references."""
+    stride = cpu_native.row_stride(x, "rms_norm")
+    rows, dim = x.shape
+    if weight.numel() != dim or (residual is not None and residual.shape != x.shape):
+        got = "" if residual is None else f", residual {tuple(residual.shape)}"
+        raise ValueError(f"native rms_norm: x {tuple(x.shape)} needs a weight of {dim} and a residual of its "
+                         f"shape; got weight {weight.numel()}{got}")
+    out = torch.empty((rows, dim), dtype=x.dtype)
+    residual_out = None
+    if residual is not None:
+        residual = residual.contiguous()
+        residual_out = torch.empty((rows, dim), dtype=x.dtype)
+    weight = weight.contiguous()
+    cpu_native.library().rms_norm_f32(
+        x.data_ptr(), stride, None if residual is None else residual.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), None if residual_out is None else residual_out.data_ptr(), rows, dim, eps,
+        torch.get_num_threads())
+    return out, residual_out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_native
 from kernels._triton import tl, triton
 
 
@@ -122,4 +123,24 @@ def rotary_embedding_ref(
         rotated2 = x2 * cos + x1 * sin
         x1.copy_(rotated1)
         x2.copy_(rotated2)
+    return q, k
+
+
+def rotary_embedding_native(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q (T, Hq, D) and k (T, Hkv, D) in place; head dims contiguous, any other strides."""
+    if q.stride(2) != 1 or k.stride(2) != 1 or not cos_sin_cache.is_contiguous():
+        raise ValueError("native rotary: q and k need contiguous head dims, cos_sin_cache contiguity")
+    positions = positions.to(torch.int64).contiguous()
+    rows, dim = q.shape[0], q.shape[2]
+    if k.shape[0] != rows or k.shape[2] != dim or positions.numel() != rows or cos_sin_cache.shape[-1] != dim:
+        raise ValueError(f"native rotary: q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
+                         f"{tuple(positions.shape)}, cos_sin_cache {tuple(cos_sin_cache.shape)} do not fit")
+    lo, hi = (int(positions.min()), int(positions.max())) if rows else (0, 0)
+    if not 0 <= lo <= hi < cos_sin_cache.shape[0]:
+        raise IndexError(f"native rotary: positions {lo}..{hi} outside the rotary cache's "
+                         f"{cos_sin_cache.shape[0]} positions")
+    cpu_native.library().rotary_f32(
+        positions.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(), k.stride(0),
+        k.stride(1), k.shape[1], cos_sin_cache.data_ptr(), rows, dim, torch.get_num_threads())
     return q, k

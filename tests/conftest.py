@@ -13,3 +13,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+# dtype "auto" on the CPU follows the CPU's features (bf16 where native): pinned to fp32 here so the
+# suite's results do not depend on the machine that runs it
+os.environ.setdefault("BATCHGEN_CPU_DTYPE", "float32")

@@ -42,8 +42,9 @@ def test_the_engine_flags_are_derived_from_engine_config():
     def parse(**opts):
         return engine_config(opts)
 
-    # every field is a flag but the per-request seed default (jobs take --seed per row)
-    assert set(ENGINE_FIELDS) == {f.name for f in fields(EngineConfig)} - {"seed"}
+    # every field is a flag but the per-request seed default (jobs take --seed per row) and
+    # dtype_reason, which construction derives
+    assert set(ENGINE_FIELDS) == {f.name for f in fields(EngineConfig)} - {"seed", "dtype_reason"}
     assert {p.name for p in parse.params} == set(ENGINE_FIELDS)
     flags = ["--max-num-seqs", "5", "--kv-cache-memory", "2.5", "--enforce-eager", "--dtype", "bfloat16",
              "--gpu-memory-utilization", "0.7", "--no-enable-chunked-prefill",
@@ -61,3 +62,22 @@ def test_dtype_auto_on_the_command_line():
     assert engine_config({"dtype": "auto", "device": "cuda"}).dtype == "bfloat16"
     with pytest.raises(click.UsageError, match="gpu_memory_utilization"):
         engine_config({"gpu_memory_utilization": 2.0})
+
+
+def test_cpu_auto_dtype_follows_native_bf16(monkeypatch):
+    from kernels import cpu_features
+
+    monkeypatch.delenv(cpu_features.PIN_ENV, raising=False)
+    avx2 = frozenset({"avx2", "fma"})
+    assert cpu_features.auto_dtype(avx2) == ("float32",
+                                             "the CPU has no native bf16 (no avx512_bf16 or amx_bf16)")
+    assert cpu_features.auto_dtype(avx2 | {"avx512_bf16"}) == ("bfloat16", "the CPU has avx512_bf16")
+    assert cpu_features.auto_dtype(avx2 | {"avx512_bf16", "amx_bf16"})[1] == "the CPU has amx_bf16"
+    monkeypatch.setenv(cpu_features.PIN_ENV, "float32")
+    assert cpu_features.auto_dtype(avx2 | {"amx_bf16"}) == ("float32", f"pinned by {cpu_features.PIN_ENV}")
+    config = EngineConfig()
+    assert (config.dtype, config.dtype_reason) == ("float32", f"auto: pinned by {cpu_features.PIN_ENV}")
+    assert EngineConfig(dtype="bfloat16").dtype_reason == "given"
+    monkeypatch.setenv(cpu_features.PIN_ENV, "fp8")
+    with pytest.raises(ValueError, match="BATCHGEN_CPU_DTYPE must be float32 or bfloat16, got 'fp8'"):
+        EngineConfig()

@@ -41,7 +41,7 @@ def test_paged_decode_attention(heads, block_size, dtype, num_splits):
     inputs = _inputs("decodes", heads, block_size, dtype, garbage=float("nan"))
     meta = inputs.meta
     want = paged_decode_attention_ref(clean.q, clean.k_cache, clean.v_cache, meta.block_tables,
-                                      meta.context_lens, meta.max_context_len, inputs.scale)
+                                      meta.context_lens, inputs.scale)
     out = paged_decode_attention_triton(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
                                         meta.context_lens, inputs.scale, num_splits=num_splits)
     assert out.dtype == dtype

@@ -1,5 +1,5 @@
-"""The native C decode attention (kernels/cpu_native.py) against the naive float64 loop and the
-torch path, and its fallback when it cannot be built."""
+"""The cpu-native kernels (built by kernels/cpu_native.py; launchers beside each reference) against
+the naive float64 loop and the torch path, and their fallback when they cannot be built."""
 
 from __future__ import annotations
 
@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from kernels import cpu_native, ops
-from kernels.attention_decode import paged_decode_attention_ref
+from kernels.activation import silu_and_mul_native
+from kernels.attention_decode import paged_decode_attention_native, paged_decode_attention_ref
+from kernels.kv_cache import store_kv_cache_native
+from kernels.rms_norm import rms_norm_native
+from kernels.rotary import rotary_embedding_native
 from kernels.testing import make_paged_inputs
 from tests.kernels import naive
 from tests.kernels.cases import HEADS
@@ -36,7 +40,7 @@ def test_decode_matches_naive_loop_and_reads_only_its_context(num_q_heads, num_k
     inputs = make_paged_inputs([1] * len(DECODE_LENS), DECODE_LENS, num_q_heads, num_kv_heads, head_dim,
                                block_size, garbage=float("nan"))  # a read outside any context would poison it
     meta = inputs.meta
-    out = cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+    out = paged_decode_attention_native(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
                                             meta.context_lens, inputs.scale)
     want = naive.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables.tolist(),
                                  [1] * len(DECODE_LENS), DECODE_LENS, inputs.scale)
@@ -48,13 +52,13 @@ def test_any_thread_count_gives_the_same_answer(num_threads):
     lens = [5, 300, 1, 64, 65, 129, 2, 40]
     inputs = make_paged_inputs([1] * len(lens), lens, 9, 3, 64, 16, garbage=None)
     meta = inputs.meta
-    one = cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+    one = paged_decode_attention_native(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
                                             meta.context_lens, inputs.scale, num_threads=1)
-    many = cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+    many = paged_decode_attention_native(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
                                              meta.context_lens, inputs.scale, num_threads=num_threads)
     assert torch.equal(one, many)  # each (sequence, KV head) is computed by one thread, in one order
     ref = paged_decode_attention_ref(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
-                                     meta.context_lens, meta.max_context_len, inputs.scale)
+                                     meta.context_lens, inputs.scale)
     torch.testing.assert_close(many, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -66,21 +70,21 @@ def test_strided_queries_from_the_fused_projection():
     q = qkv[:, : 9 * 64].view(3, 9, 64)
     assert not q.is_contiguous()
     meta = inputs.meta
-    out = cpu_native.paged_decode_attention(q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+    out = paged_decode_attention_native(q, inputs.k_cache, inputs.v_cache, meta.block_tables,
                                             meta.context_lens, inputs.scale)
     ref = paged_decode_attention_ref(q, inputs.k_cache, inputs.v_cache, meta.block_tables, meta.context_lens,
-                                     meta.max_context_len, inputs.scale)
+                                     inputs.scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_mixed_step_uses_native_decodes_and_matches_the_pure_torch_path(monkeypatch):
     query_lens, context_lens = [1, 1, 1, 16, 5], [300, 17, 1, 16, 100]
     inputs = make_paged_inputs(query_lens, context_lens, 9, 3, 64, 16)
-    ops.set_backend("torch")
+    ops.set_backend("cpu-native")
     try:
         native = ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
         assert inputs.meta.torch_decode_plan is None  # the native kernel needs no gather plan
-        monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
+        monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")  # cpu-native falls back to torch, call by call
         plain = ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
         assert inputs.meta.torch_decode_plan is not None
     finally:
@@ -92,10 +96,10 @@ def test_inputs_it_cannot_take_are_refused_with_the_reason():
     inputs = make_paged_inputs([1, 1], [5, 9], 9, 3, 64, 16)
     meta = inputs.meta
     with pytest.raises(ValueError, match="int32"):
-        cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables.long(),
+        paged_decode_attention_native(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables.long(),
                                           meta.context_lens, inputs.scale)
     with pytest.raises(ValueError, match="does not fit"):
-        cpu_native.paged_decode_attention(inputs.q[:, :8], inputs.k_cache, inputs.v_cache, meta.block_tables,
+        paged_decode_attention_native(inputs.q[:, :8], inputs.k_cache, inputs.v_cache, meta.block_tables,
                                           meta.context_lens, inputs.scale)
     assert not cpu_native.supports(inputs.q.half(), inputs.k_cache.half())  # fp32 only: fp16 uses torch
 
@@ -121,10 +125,10 @@ def test_a_compiler_without_openmp_still_gets_serial_kernels(monkeypatch, tmp_pa
     assert "built without -fopenmp (" in caplog.text and "unsupported option -fopenmp" in caplog.text
     inputs = make_paged_inputs([1] * 4, [5, 40, 17, 100], 9, 3, 64, 16)
     meta = inputs.meta
-    out = cpu_native.paged_decode_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
+    out = paged_decode_attention_native(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
                                             meta.context_lens, inputs.scale, num_threads=2)
     ref = paged_decode_attention_ref(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
-                                     meta.context_lens, meta.max_context_len, inputs.scale)
+                                     meta.context_lens, inputs.scale)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -154,15 +158,15 @@ def test_elementwise_kernels_match_the_torch_references_on_strided_inputs():
     wide = torch.randn(37, 2 * 576, generator=gen) * 3
     x, weight, residual = wide[:, :576], torch.randn(576, generator=gen), torch.randn(37, 576, generator=gen)
     assert not x.is_contiguous()
-    torch.testing.assert_close(cpu_native.rms_norm(x, weight, 1e-5)[0], rms_norm_ref(x, weight, 1e-5))
-    normed, res_out = cpu_native.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(rms_norm_native(x, weight, 1e-5)[0], rms_norm_ref(x, weight, 1e-5))
+    normed, res_out = rms_norm_native(x, weight, 1e-5, residual)
     want_normed, want_res = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
     torch.testing.assert_close(normed, want_normed)
     assert torch.equal(res_out, want_res)
 
     gate_up = torch.randn(37, 2 * 1536 + 8, generator=gen)[:, : 2 * 1536] * 30  # large |gate| too
     want = silu_and_mul_ref(gate_up)
-    torch.testing.assert_close(cpu_native.silu_and_mul(gate_up), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(silu_and_mul_native(gate_up), want, atol=1e-5, rtol=1e-5)
 
     qkv = torch.randn(37, 15 * 64, generator=gen)
     positions = torch.randint(0, 500, (37,), generator=gen)
@@ -170,7 +174,7 @@ def test_elementwise_kernels_match_the_torch_references_on_strided_inputs():
     q, k = qkv[:, : 9 * 64].view(37, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(37, 3, 64)
     want_q, want_k = rotary_embedding_ref(positions, q.clone(), k.clone(), cos_sin)
     v_before = qkv[:, 12 * 64 :].clone()
-    cpu_native.rotary_embedding(positions, q, k, cos_sin)  # in place, through the views
+    rotary_embedding_native(positions, q, k, cos_sin)  # in place, through the views
     torch.testing.assert_close(qkv[:, : 9 * 64].view(37, 9, 64), want_q, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(qkv[:, 9 * 64 : 12 * 64].view(37, 3, 64), want_k, atol=1e-5, rtol=1e-5)
     assert torch.equal(qkv[:, 12 * 64 :], v_before)  # v untouched
@@ -180,8 +184,8 @@ def test_ops_send_fp32_cpu_work_to_the_native_kernels(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the torch reference ran although the native kernel applies")
 
-    for name in ("rms_norm_ref", "fused_add_rms_norm_ref", "rotary_embedding_ref", "silu_and_mul_ref"):
-        monkeypatch.setattr(ops, name, refuse)
+    for op in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
+        monkeypatch.setitem(ops.KERNELS[op], "torch", refuse)
     x = torch.randn(4, 64)
     ops.rms_norm(x, torch.ones(64), 1e-5)
     ops.fused_add_rms_norm(x, x.clone(), torch.ones(64), 1e-5)
@@ -200,27 +204,27 @@ def test_store_kv_cache_writes_strided_rows_skips_minus_one_and_refuses_bad_slot
     key, value = qkv[:, 9 * 64 : 12 * 64].view(5, 3, 64), qkv[:, 12 * 64 :].view(5, 3, 64)
     slots = torch.tensor([7, -1, 0, 33, 12])
     caches = [torch.zeros(3, 16, 3, 64) for _ in range(4)]
-    cpu_native.store_kv_cache(key, value, caches[0], caches[1], slots)
+    store_kv_cache_native(key, value, caches[0], caches[1], slots)
     store_kv_cache_ref(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(IndexError, match="token 1 has slot 48, outside the cache's 48 slots"):
-        cpu_native.store_kv_cache(key, value, caches[0], caches[1], torch.tensor([0, 48, 1, 2, 3]))
+        store_kv_cache_native(key, value, caches[0], caches[1], torch.tensor([0, 48, 1, 2, 3]))
 
 
 
 def test_elementwise_inputs_that_do_not_fit_are_refused_before_any_memory_is_touched():
     x = torch.randn(3, 64)
     with pytest.raises(ValueError, match="needs a weight of 64"):
-        cpu_native.rms_norm(x, torch.ones(32), 1e-5)
+        rms_norm_native(x, torch.ones(32), 1e-5)
     with pytest.raises(ValueError, match="residual"):
-        cpu_native.rms_norm(x, torch.ones(64), 1e-5, torch.randn(2, 64))
+        rms_norm_native(x, torch.ones(64), 1e-5, torch.randn(2, 64))
     with pytest.raises(ValueError, match="odd width"):
-        cpu_native.silu_and_mul(torch.randn(3, 7))
+        silu_and_mul_native(torch.randn(3, 7))
     q, k = torch.randn(3, 9, 64), torch.randn(3, 3, 64)
     with pytest.raises(IndexError, match="positions 0..16 outside the rotary cache's 16 positions"):
-        cpu_native.rotary_embedding(torch.tensor([0, 5, 16]), q, k, torch.randn(16, 64))
+        rotary_embedding_native(torch.tensor([0, 5, 16]), q, k, torch.randn(16, 64))
     with pytest.raises(ValueError, match="do not fit"):
-        cpu_native.rotary_embedding(torch.tensor([0, 1, 2]), q, k, torch.randn(16, 32))
+        rotary_embedding_native(torch.tensor([0, 1, 2]), q, k, torch.randn(16, 32))
 
 
 def test_inputs_with_a_strided_last_dim_take_the_torch_path():

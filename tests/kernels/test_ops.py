@@ -16,13 +16,26 @@ def no_forced_backend(monkeypatch):
     ops.set_backend(None)
 
 
-def test_cpu_tensors_use_torch_unless_forced(monkeypatch):
+def test_cpu_tensors_use_cpu_native_unless_forced(monkeypatch):
     x = torch.zeros(1)
-    assert ops.get_backend(x) == "torch"
-    for name in ("auto", "torch"):
+    assert ops.get_backend(x) == "cpu-native"
+    for name, want in (("auto", "cpu-native"), ("torch", "torch"), ("cpu-native", "cpu-native")):
         monkeypatch.setenv("BATCHGEN_KERNELS", name)
         ops.set_backend(None)  # the environment is read once, and again here
-        assert ops.get_backend(x) == "torch"
+        assert ops.get_backend(x) == want
+    monkeypatch.setenv("BATCHGEN_KERNELS", "cuda")
+    ops.set_backend(None)
+    with pytest.raises(ValueError, match="BATCHGEN_KERNELS must be one of"):
+        ops.get_backend(x)
+
+
+def test_every_op_has_every_backend_and_cpu_native_falls_back_per_call():
+    assert all(set(row) == {"torch", "triton", "cpu-native"} for row in ops.KERNELS.values())
+    ops.set_backend("cpu-native")
+    x, w = torch.randn(3, 8), torch.ones(8)
+    assert ops._pick("rms_norm", x, w) is ops.KERNELS["rms_norm"]["cpu-native"]
+    assert ops._pick("rms_norm", x.double(), w.double()) is ops.KERNELS["rms_norm"]["torch"]  # fp32 only
+    assert ops._pick("rms_norm", x, w, fits=False) is ops.KERNELS["rms_norm"]["torch"]
 
 
 def test_the_environment_is_read_once_not_per_call(monkeypatch):
@@ -39,7 +52,7 @@ def test_set_backend_wins_over_the_environment(monkeypatch):
     ops.set_backend(None)
     ops.set_backend("triton")
     assert ops.get_backend(torch.zeros(1)) == "triton"
-    ops.set_backend("auto")
+    ops.set_backend("auto")  # back to the environment's
     assert ops.get_backend(torch.zeros(1)) == "torch"
 
 

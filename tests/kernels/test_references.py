@@ -14,12 +14,11 @@ from tests.kernels.cases import ATTENTION_BATCHES, HEADS, TOLERANCES
 SPREAD_DECODES = ([1, 1, 1, 1, 1, 4], [300, 40, 1, 200, 35, 20])
 
 
-@pytest.fixture(autouse=True, params=["native", "pure-torch"])
-def torch_backend(request, monkeypatch):
-    """These tests are about the CPU path, whatever BATCHGEN_KERNELS says: once with the native
-    decode attention (fp32), once with it switched off."""
-    monkeypatch.setenv("BATCHGEN_NATIVE", "1" if request.param == "native" else "0")
-    ops.set_backend("torch")
+@pytest.fixture(autouse=True, params=["cpu-native", "torch"])
+def torch_backend(request):
+    """These tests are about the CPU path, whatever BATCHGEN_KERNELS says: once through the
+    cpu-native backend (C kernels for fp32, torch where they do not apply), once pure torch."""
+    ops.set_backend(request.param)
     yield
     ops.set_backend(None)
 
@@ -112,8 +111,8 @@ def test_paged_attention_matches_loop(batch, num_q_heads, num_kv_heads, block_si
     torch.testing.assert_close(out.double(), want, atol=atol, rtol=rtol)
 
 
-def test_spread_decodes_are_planned_in_groups_once_per_step(monkeypatch):
-    monkeypatch.setenv("BATCHGEN_NATIVE", "0")  # the plan belongs to the pure torch path
+def test_spread_decodes_are_planned_in_groups_once_per_step():
+    ops.set_backend("torch")  # the plan belongs to the pure torch path
     query_lens, context_lens = SPREAD_DECODES
     inputs = make_paged_inputs(query_lens, context_lens, 9, 3, 64, 16)
     ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)

@@ -1,0 +1,48 @@
+"""What the CPU can do natively, read once from /proc/cpuinfo (torch's own capability string says
+AVX512 or AVX2 but not whether bf16 dot products exist).
+
+The engine picks its `auto` dtype on the CPU from this: bf16 where the CPU multiplies bf16 natively
+(AVX512-BF16's `vdpbf16ps`, or AMX tiles), measured ~2x the fp32 GEMM rate through oneDNN; fp32
+elsewhere (an AVX2-only CPU converts bf16 in software and runs slower than fp32).
+`BATCHGEN_CPU_DTYPE=float32|bfloat16` pins the choice (the test suite pins float32, so its results
+do not depend on the machine).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+PIN_ENV = "BATCHGEN_CPU_DTYPE"
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # best first
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The first processor's `flags` line from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def bf16_feature(flags: frozenset[str] | None = None) -> str | None:
+    """The CPU feature that makes bf16 native ('amx_bf16', 'avx512_bf16'), or None."""
+    flags = cpu_flags() if flags is None else flags
+    return next((f for f in BF16_FLAGS if f in flags), None)
+
+
+def auto_dtype(flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """(dtype, why) for dtype 'auto' on this CPU: the pin, else bf16 with native bf16, else fp32."""
+    pinned = os.environ.get(PIN_ENV)
+    if pinned:
+        if pinned not in ("float32", "bfloat16"):
+            raise ValueError(f"{PIN_ENV} must be float32 or bfloat16, got {pinned!r}")
+        return pinned, f"pinned by {PIN_ENV}"
+    feature = bf16_feature(flags)
+    if feature:
+        return "bfloat16", f"the CPU has {feature}"
+    return "float32", "the CPU has no native bf16 (no avx512_bf16 or amx_bf16)"
