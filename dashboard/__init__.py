@@ -82,7 +82,9 @@ def _security_headers(response):
     response.headers.setdefault("Content-Security-Policy", CONTENT_SECURITY_POLICY)
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
     response.headers.setdefault("X-Frame-Options", "DENY")
-    response.headers.setdefault("Referrer-Policy", "no-referrer")
+    # same-origin, not no-referrer: under no-referrer a browser sends `Origin: null` even on the
+    # page's own POSTs, and the origin check (dashboard.auth) could not tell them from a foreign one
+    response.headers.setdefault("Referrer-Policy", "same-origin")
     return response
 
 

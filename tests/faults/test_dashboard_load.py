@@ -39,7 +39,7 @@ def test_a_new_part_invalidates_the_cache(data_dir):
     assert rows_done(client) == 4 * loadbench.ROWS_PER_SHARD
     assert cache.misses == misses and cache.hits > 0  # nothing changed: served from the cache
     store = Store(data_dir)
-    with store.telemetry_buffer(loadbench.WORKER, flush_interval_s=0.0) as telemetry:
+    with store.telemetry_buffer(loadbench.WORKER, flush_interval_s=loadbench.NO_AUTO_FLUSH_S) as telemetry:
         loadbench.write_shard(store, 4, telemetry, time.time())
     assert rows_done(client) == 5 * loadbench.ROWS_PER_SHARD  # the new parts are seen at once
     assert cache.misses > misses
@@ -82,7 +82,8 @@ def test_fifty_concurrent_clients_while_the_job_writes_get_no_errors(data_dir):
 
     def write() -> None:
         store = Store(data_dir)
-        with store.telemetry_buffer(loadbench.WORKER, flush_interval_s=0.0) as telemetry:
+        flush_s = loadbench.NO_AUTO_FLUSH_S
+        with store.telemetry_buffer(loadbench.WORKER, flush_interval_s=flush_s) as telemetry:
             for shard in range(4, SHARDS):
                 if done.is_set():
                     return
