@@ -17,13 +17,14 @@ from werkzeug.exceptions import HTTPException
 
 from dashboard.formatting import register_filters
 from dashboard.jsonout import DashboardJSONProvider
-from jobs.store.sqlsandbox import (
+from jobs.store import (
     DEFAULT_ADDRESS_SPACE_BYTES,
     DEFAULT_MAX_CONCURRENT,
     DEFAULT_MAX_RESULT_BYTES,
     DEFAULT_MEMORY_LIMIT,
+    QueryTimeout,
+    UserSqlError,
 )
-from jobs.store.usersql import QueryTimeout, UserSqlError
 
 DATA_DIR_ENV = "BATCHGEN_DATA_DIR"
 TOKEN_ENV = "BATCHGEN_DASHBOARD_TOKEN"

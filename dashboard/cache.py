@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jobs.store.usersql import QueryResult
+from jobs.store import QueryResult
 
 DEFAULT_ENTRIES = 256
 

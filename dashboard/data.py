@@ -15,8 +15,7 @@ from flask import current_app
 
 from dashboard import queries
 from dashboard.db import fetch_dicts, fetch_one
-from engine.config import EngineConfig
-from jobs.store.workers import WorkerRecord, read_worker_records
+from jobs.store import WorkerRecord, read_worker_records
 
 LIVE_STATUSES = ("queued", "running")
 MAX_JOBS = 500  # jobs listed on the jobs page
@@ -109,11 +108,13 @@ def parse_config(text: str | None) -> dict:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def engine_config_of(config: dict) -> dict:
-    """The EngineConfig fields found in a job config (top level or under 'engine')."""
-    names = {f.name for f in fields(EngineConfig)}
-    source = config.get("engine") if isinstance(config.get("engine"), dict) else config
-    return {k: v for k, v in source.items() if k in names}
+def job_worker_configs(job_id: str) -> list[dict]:
+    """The engine config each worker that ran the job's shards serves, from its own record (what it
+    really runs: a job never sets engine limits); [] before any worker took a shard."""
+    seen = {r["worker_id"] for r in job_shards(job_id) if r.get("worker_id")}
+    records = {r.worker_id: r for r in read_worker_records(current_app.config["DATA_DIR"])}
+    return [{"worker_id": wid, "engine_config": records[wid].engine_config if wid in records else {}}
+            for wid in sorted(seen)]
 
 
 def job_shards(job_id: str) -> list[dict]:
@@ -161,7 +162,7 @@ class WorkerSummary:
     current_shards: list[dict]  # shards it is running now (job_id, shard_id, attempts, started_ts)
     latest_job_id: str | None  # the job of the shard it started last
     model: str | None  # the model it serves (its record), else that job's model
-    engine_config: dict  # that job's engine settings
+    engine_config: dict  # the engine config it serves (its record; {} when it wrote none)
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -198,7 +199,7 @@ def _worker(worker_id: str, row: dict | None, record: WorkerRecord | None, runni
         host=record.host if record else None, metrics_url=(record.metrics_url or None) if record else None,
         **stats, alive=state != "gone", current_shards=shards, latest_job_id=latest.get("job_id"),
         model=(record.model if record and record.model else latest.get("model")),
-        engine_config=engine_config_of(parse_config(latest.get("config"))),
+        engine_config=record.engine_config if record else {},
     )
 
 

@@ -19,9 +19,7 @@ import duckdb
 from flask import Flask, current_app, g
 
 from dashboard.cache import Listing, QueryCache, list_store
-from jobs.store.catalog import connect_reporting
-from jobs.store.layout import Layout
-from jobs.store.usersql import QueryResult, run_query
+from jobs.store import Layout, QueryResult, connect_reporting, run_query
 
 BROKEN_RETRY_S = 5.0  # a base connection made while parts were unreadable is made anew after this
 

@@ -24,7 +24,7 @@ from flask import Blueprint, abort, current_app, jsonify, render_template, send_
 from dashboard import data, series
 from dashboard.db import get_db
 from dashboard.queries import JOB_OUTPUTS_ALL
-from jobs.store.layout import StoreError, check_id
+from jobs.store import StoreError, check_id
 
 bp = Blueprint("jobs", __name__)
 
@@ -57,7 +57,7 @@ def job_page(job_id: str):
     job, config = existing_job(job_id)
     return render_template(
         "job.html", job=job, job_config=config,
-        engine_config=data.engine_config_of(config),
+        worker_configs=data.job_worker_configs(job.job_id),
         shards=data.job_shards(job.job_id),
         outputs=data.job_outputs_sample(job.job_id, current_app.config["OUTPUT_SAMPLE_ROWS"]),
         latency=series.job_latency(job.job_id),

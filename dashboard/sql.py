@@ -23,11 +23,16 @@ import duckdb
 from flask import Blueprint, Response, current_app, jsonify, render_template, request
 
 from dashboard.jsonout import plain_value
-from jobs.store.catalog import connect
-from jobs.store.layout import StoreError
-from jobs.store.queries import README_EXAMPLES
-from jobs.store.sqlsandbox import QueryBusy, SqlLimits, run_sandboxed
-from jobs.store.usersql import QueryResult, UserSqlError
+from jobs.store import (
+    README_EXAMPLES,
+    QueryBusy,
+    QueryResult,
+    SqlLimits,
+    StoreError,
+    UserSqlError,
+    connect,
+    run_sandboxed,
+)
 
 bp = Blueprint("sql", __name__)
 

@@ -9,7 +9,7 @@ so what a config says is what the engine runs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _DTYPES = ("float32", "float16", "bfloat16")
 _POLICIES = ("fcfs", "priority")
@@ -21,23 +21,43 @@ DEVICE_DEFAULTS = {
 }
 
 
+def _flag(help: str, **extra) -> dict:
+    """A field's command-line flag: its help, and where needed its name ("flag") or "choices".
+    engine.cli_options derives every engine flag from these."""
+    return {"help": help, **extra}
+
+
 @dataclass
 class EngineConfig:
-    model: str = "smollm2-135m"  # registry name, HF directory, GGUF file, or Hub id
-    max_num_seqs: int | None = None  # sequence cap per iteration batch; None = the device's default
-    max_num_batched_tokens: int | None = None  # token budget per iteration; None = the device's default
-    max_model_len: int | None = None  # prompt + output tokens per sequence; None = the model's
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # KV blocks; None = sized from memory (below)
-    gpu_memory_utilization: float = 0.9  # CUDA: share of the GPU's memory for weights, activations and KV
-    kv_cache_memory_gb: float | None = None  # CPU: KV cache GiB; None = a share of the free RAM
-    enable_chunked_prefill: bool = True  # split long prompts across iterations
-    enable_prefix_caching: bool = False  # reuse full KV blocks with the same token prefix
-    scheduling_policy: str = "fcfs"  # fcfs | priority
-    dtype: str = "auto"  # weights, KV cache and activations; auto = the device's default
-    device: str = "cpu"  # cpu | cuda | cuda:N
-    enforce_eager: bool = False  # no CUDA graphs / padded decode buckets: every step runs as it comes
-    seed: int = 0  # seeds requests that give no seed of their own
+    """The one list of engine settings (vLLM names). Fields with `_flag` metadata are the engine flags
+    of run, worker, bench and sweep (engine.cli_options); a worker serves one such configuration."""
+
+    model: str = field(default="smollm2-135m", metadata=_flag(
+        "Registry name, Hugging Face directory, GGUF file or Hub id (default smollm2-135m)."))
+    max_num_seqs: int | None = field(default=None, metadata=_flag(
+        "Sequence cap per iteration (default 128 on CPU, 256 on CUDA)."))
+    max_num_batched_tokens: int | None = field(default=None, metadata=_flag(
+        "Token budget per iteration (default 8192 on CPU, 16384 on CUDA)."))
+    max_model_len: int | None = field(default=None, metadata=_flag(
+        "Prompt + output tokens per sequence (default: the model's)."))
+    block_size: int = field(default=16, metadata=_flag("Tokens per KV block (default 16)."))
+    num_kv_blocks: int | None = field(default=None, metadata=_flag(
+        "KV blocks (default: sized from memory, see --gpu-memory-utilization / --kv-cache-memory)."))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_flag(
+        "CUDA: share of the GPU's memory for weights, activations and KV (default 0.9)."))
+    kv_cache_memory_gb: float | None = field(default=None, metadata=_flag(
+        "CPU: GiB for the KV cache (default: a share of the free RAM).", flag="--kv-cache-memory"))
+    enable_chunked_prefill: bool = field(default=True, metadata=_flag(
+        "Split long prompts across iterations (default on)."))
+    enable_prefix_caching: bool = field(default=False, metadata=_flag("Reuse shared prefixes' KV."))
+    scheduling_policy: str = field(default="fcfs", metadata=_flag("Default fcfs.", choices=_POLICIES))
+    dtype: str = field(default="auto", metadata=_flag(
+        "Weights, KV cache and activations; auto (default): float32 on CPU, bfloat16 on CUDA.",
+        choices=("auto", *_DTYPES)))
+    device: str = field(default="cpu", metadata=_flag("cpu, cuda or cuda:N (default cpu)."))
+    enforce_eager: bool = field(default=False, metadata=_flag(
+        "No CUDA graphs (and no padded decode buckets on CPU): every step runs eagerly."))
+    seed: int = 0  # seeds requests that give no seed of their own (jobs set it per row: --seed)
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device == "cuda"

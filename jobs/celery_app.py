@@ -125,7 +125,7 @@ def __getattr__(name: str) -> Celery:
     """`app` (and `celery`): the app for the broker in force, for `celery -A jobs.celery_app ...`."""
     if name not in ("app", "celery"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
+    from jobs.store import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
     settings = resolve_broker(os.environ.get(DATA_DIR_ENV) or DEFAULT_DATA_DIR)
     if settings.kind == EMBEDDED:

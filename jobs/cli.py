@@ -1,7 +1,9 @@
 """The `batchgen` command line: one entry point, subcommands loaded lazily.
 
 Each package owns its commands; this module only maps names to them, so `batchgen sql` does not
-import torch and a broken optional piece cannot take the whole CLI down.
+import torch and a broken optional piece cannot take the whole CLI down. Commands of the layers above
+jobs (the dashboard) plug in through the `batchgen.commands` entry-point group (pyproject.toml), the
+way Flask's `flask.commands` does: jobs never imports them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import click
 COMMANDS: dict[str, str] = {
     "models": "engine.registry:models",
     "bench": "engine.bench:bench",
-    "sweep": "engine.sweep:sweep",
+    "sweep": "jobs.sweep:sweep",
     "sql": "jobs.store.cli:sql",
     "store": "jobs.store.cli:store",
     "run": "jobs.commands:run",
@@ -23,18 +25,27 @@ COMMANDS: dict[str, str] = {
     "status": "jobs.commands:status",
     "cancel": "jobs.commands:cancel",
     "retry": "jobs.commands:retry",
-    "dashboard": "dashboard.cli:dashboard",
+    "export": "jobs.commands:export",
 }
+ENTRY_POINT_GROUP = "batchgen.commands"
 # commands that run for a long time and log as they go: each gets --log-format text|json (jobs.logs)
 LONG_RUNNING = ("run", "worker", "dashboard", "bench", "sweep")
 
 
+def _targets() -> dict[str, str]:
+    """Every command name -> "module:attribute": jobs' own, then the plugged-in ones."""
+    from importlib.metadata import entry_points
+
+    plugged = {ep.name: ep.value for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return {**plugged, **COMMANDS}
+
+
 class LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
-        return sorted(COMMANDS)
+        return sorted(_targets())
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
-        target = COMMANDS.get(name)
+        target = _targets().get(name)
         if target is None:
             return None
         module_name, attr = target.split(":")

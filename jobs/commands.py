@@ -16,7 +16,7 @@ from pathlib import Path
 
 import click
 
-from engine.cli_options import ENGINE_FIELDS, engine_config, engine_flags, engine_options
+from engine.cli_options import engine_config, engine_options, flag_name, given_engine_flags
 from jobs.broker import (
     BROKER_ENV,
     DEFAULT_MAX_TOKENS,
@@ -29,9 +29,7 @@ from jobs.broker import (
 )
 from jobs.logs import LOG_FORMAT_ENV
 from jobs.spec import CHAT_TEMPLATE_MODES
-from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
-
-__all__ = ["ENGINE_FIELDS", "engine_config", "engine_flags", "engine_options"]  # re-exported for jobs.*
+from jobs.store import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 # ---------------------------------------------------------------- shared options
 
@@ -112,7 +110,10 @@ def _job_request(prompts: str, data_dir: str, config, opts: dict, output: str | 
     from jobs.submit import JobRequest
 
     model_given = click.get_current_context().get_parameter_source("model") != ParameterSource.DEFAULT
-    return JobRequest(source=prompts, data_dir=data_dir, engine=asdict(config), sampling=sampling_from(opts),
+    # a submitted job records only its model: its shards run with the engine config of whichever worker
+    # serves them; `run` records the config it hands its own workers (`worker --job`)
+    engine = asdict(config) if local else {"model": config.model}
+    return JobRequest(source=prompts, data_dir=data_dir, engine=engine, sampling=sampling_from(opts),
                       shard_size=opts["shard_size"], max_retries=opts["max_retries"],
                       retry_backoff_s=opts["retry_backoff"], job_id=opts.get("job_id"),
                       output_path=str(output or ""), apply_chat_template=opts["apply_chat_template"],
@@ -164,7 +165,7 @@ def check_broker(settings: BrokerSettings) -> None:
 
 def _manifest(data_dir: str, job_id: str):
     from jobs.manifest import load_manifest
-    from jobs.store.layout import StoreError
+    from jobs.store import StoreError
 
     try:
         return load_manifest(data_dir, job_id)
@@ -198,6 +199,7 @@ def submit(prompts: str, data_dir: str, broker_url: str | None, queue: str, **op
     """Validate PROMPTS (a Parquet or JSONL file, directory or glob), shard it and queue it for workers."""
     from jobs.submit import publish_job
 
+    _refuse_worker_settings(opts)
     config = engine_config(opts)
     settings = _broker(data_dir, queue, url=broker_url)
     check_broker(settings)
@@ -208,6 +210,16 @@ def submit(prompts: str, data_dir: str, broker_url: str | None, queue: str, **op
     click.echo(manifest.job_id)
 
 
+def _refuse_worker_settings(opts: dict) -> None:
+    """A worker serves one engine configuration: a job chooses its model, never the engine's limits."""
+    limits = [flag_name(k) for k in given_engine_flags(opts) if k != "model"]
+    if limits:
+        raise click.UsageError(
+            f"{', '.join(limits)}: engine settings belong to `batchgen worker` (each worker serves one "
+            "engine configuration, whatever job its shards come from); `submit` takes only --model. "
+            "Start the workers with these flags, or use `batchgen run`, whose own workers take them.")
+
+
 # ---------------------------------------------------------------- worker
 
 
@@ -216,6 +228,8 @@ def submit(prompts: str, data_dir: str, broker_url: str | None, queue: str, **op
 @_DATA_DIR_OPTION
 @_BROKER_OPTION
 @click.option("--queue", envvar=QUEUE_ENV, default=DEFAULT_QUEUE, show_default=True, help="Queue to consume.")
+@click.option("--job", "job_id", help="Serve with the engine config recorded by this job (`batchgen "
+              "run` starts its workers so); engine flags given as well override it.")
 @click.option("--concurrency", type=click.IntRange(1, MAX_CONCURRENCY), default=2, show_default=True,
               help="Shards held in the engine at once (>= 2 keeps it busy across shard boundaries).")
 @click.option("--worker-id", "-n", help="Worker name (default batchgen-<pid>@<host>).")
@@ -226,14 +240,14 @@ def submit(prompts: str, data_dir: str, broker_url: str | None, queue: str, **op
               help="Serve Prometheus /metrics on this port (0 = any free one; default: off).")
 @click.option("--metrics-host", default="0.0.0.0", show_default=True,
               help="Address --metrics-port binds (metrics hold counts and ids, never prompts or outputs).")
-def worker(data_dir: str, broker_url: str | None, queue: str, concurrency: int, worker_id: str | None,
-           shard_timeout: float | None, loglevel: str, metrics_port: int | None, metrics_host: str,
-           **opts) -> None:
+def worker(data_dir: str, broker_url: str | None, queue: str, job_id: str | None, concurrency: int,
+           worker_id: str | None, shard_timeout: float | None, loglevel: str, metrics_port: int | None,
+           metrics_host: str, **opts) -> None:
     """Serve shard tasks from the queue with one long-lived engine."""
     from jobs.logs import configure_logging
     from jobs.worker_main import run_worker
 
-    config = engine_config(opts)
+    config = engine_config(opts, **(_manifest(data_dir, job_id).engine if job_id else {}))
     settings = _broker(data_dir, queue, url=broker_url, timeout_s=shard_timeout)
     check_broker(settings)
     worker_id = worker_id or f"batchgen-{os.getpid()}@{socket.gethostname()}"
@@ -267,7 +281,7 @@ def run(prompts: str, data_dir: str, output: Path | None, workers: int, concurre
 
     The same command again resumes the job: committed shards are kept, the rest run, --output is
     written at the end. Ctrl-C hands the shards in flight back and prints the command that resumes."""
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     from jobs.local_run import LocalRun, RunError, resume_command
 
@@ -277,6 +291,8 @@ def run(prompts: str, data_dir: str, output: Path | None, workers: int, concurre
     manifest, resumed = _run_job(request)
     broker = _broker(data_dir, manifest.queue, embedded=True)
     config = replace(config, model=manifest.model)  # an OpenAI file's body.model, when --model was not given
+    if manifest.engine != asdict(config):  # resumed with other engine flags: the workers take these
+        manifest = _record_engine(manifest, config)
     # enough shards to fill max_num_seqs, within what `batchgen worker --concurrency` accepts
     concurrency = concurrency or min(max(2, math.ceil(config.max_num_seqs / manifest.shard_size) + 1),
                                      MAX_CONCURRENCY)
@@ -290,6 +306,17 @@ def run(prompts: str, data_dir: str, output: Path | None, workers: int, concurre
     except RunError as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(code)
+
+
+def _record_engine(manifest, config):
+    """The manifest with `config` as the engine its local workers serve (`worker --job` reads it)."""
+    from dataclasses import asdict, replace
+
+    from jobs.manifest import JobPaths, write_manifest
+
+    manifest = replace(manifest, engine=asdict(config))
+    write_manifest(manifest, JobPaths.of(manifest.data_dir, manifest.job_id))
+    return manifest
 
 
 def _run_job(request):
@@ -347,11 +374,29 @@ def status(job_id: str | None, data_dir: str, fmt: str, requeue: bool, output: P
         _export(manifest, output)
 
 
+@click.command()
+@click.argument("job_id")
+@_DATA_DIR_OPTION
+@click.option("--format", "fmt", type=click.Choice(["parquet", "jsonl"]),
+              help="Default: the --output file's suffix, else parquet.")
+@click.option("--output", type=click.Path(dir_okay=False), callback=_output_path,
+              help="Where to write: .parquet or .jsonl (default ./<JOB>.outputs.<format>).")
+def export(job_id: str, data_dir: str, fmt: str | None, output: Path | None) -> None:
+    """Write a finished job's outputs as one clean table: every input row once, in input order
+    (the views' committed rows only, never the raw parts under the data dir)."""
+    manifest = _manifest(data_dir, job_id)
+    if output is None:
+        output = Path(f"{manifest.job_id}.outputs.{fmt or 'parquet'}").resolve()
+    elif fmt is not None and output.suffix.lower() != f".{fmt}":
+        raise click.UsageError(f"--output {output} and --format {fmt} disagree: the suffix says the format")
+    _export(manifest, output)
+
+
 def _unless_unreadable(read, *args, **kwargs):
     """read(...), or a one-line error (exit 1) naming the part file when the store cannot be read."""
     import duckdb
 
-    from jobs.store.catalog import unreadable_part_message
+    from jobs.store import unreadable_part_message
 
     try:
         return read(*args, **kwargs)

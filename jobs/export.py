@@ -25,9 +25,7 @@ import pyarrow.parquet as pq
 
 from jobs import openai_batch
 from jobs.manifest import REQUEST_ID_COLUMN, ROW_COLUMN, URL_COLUMN, JobManifest
-from jobs.store.catalog import connect
-from jobs.store.layout import new_uid
-from jobs.store.schemas import INTERNAL_PREFIX, OUTPUTS
+from jobs.store import INTERNAL_PREFIX, OUTPUTS, connect, new_uid
 
 OUTPUT_SUFFIXES = (".parquet", ".jsonl")
 _ORDER = "_bg_order"

@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from jobs.store.layout import new_uid
+from jobs.store import new_uid
 
 LEASE_TTL_ENV = "BATCHGEN_LEASE_TTL_S"
 DEFAULT_LEASE_TTL_S = 30.0  # a heartbeat older than this means the attempt's worker is gone

@@ -35,7 +35,7 @@ from engine.config import EngineConfig
 from jobs.broker import BROKER_ENV, BrokerSettings
 from jobs.leases import lease_ttl_s
 from jobs.manifest import JobManifest, JobPaths
-from jobs.store.parts import Store
+from jobs.store import Store
 from jobs.supervise import JobProgress, hand_back_dead_attempts, job_progress, requeue_dead_shards
 
 log = logging.getLogger(__name__)
@@ -116,13 +116,11 @@ class LocalRun:
 
     # -- workers
     def _start(self, index: int, restarts: int = 0) -> WorkerProcess:
-        from jobs.commands import engine_flags
-
         log_dir = self.paths.root / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"worker-{index}.log"
         worker_id = f"run{index}-{self.manifest.job_id}-{os.getpid()}@{socket.gethostname()}"
-        cmd = [sys.executable, "-m", "jobs.cli", "worker", *engine_flags(self.config),
+        cmd = [sys.executable, "-m", "jobs.cli", "worker", "--job", self.manifest.job_id,
                "--data-dir", self.manifest.data_dir, "--broker", "embedded", "--queue", self.broker.queue,
                "--concurrency", str(self.concurrency), "--worker-id", worker_id,
                "--shard-timeout", str(self.manifest.shard_timeout_s or self.broker.shard_timeout_s)]
@@ -214,8 +212,7 @@ class LocalRun:
 
     # -- the end
     def _finish(self, elapsed_s: float) -> int:
-        from jobs.store.catalog import write_catalog
-        from jobs.store.compact import compact_job
+        from jobs.store import compact_job, write_catalog
         from jobs.summary import job_summary
 
         summary = job_summary(self.manifest)

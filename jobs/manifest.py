@@ -22,7 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.store.layout import check_id, new_uid, write_atomic
+from jobs.store import check_id, new_uid, write_atomic
 
 JOBS_DIR = "jobs"
 ROW_COLUMN = "_bg_row"  # 0-based position of the row in the job's input (input order)

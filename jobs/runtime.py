@@ -33,8 +33,7 @@ from engine.stats import IterationStats
 from jobs.leases import HEARTBEAT_FRACTION, Lease, lease_ttl_s
 from jobs.manifest import JobManifest
 from jobs.metrics import WorkerMetrics
-from jobs.store.parts import Store
-from jobs.store.workers import WorkerRecord, write_worker_record
+from jobs.store import Store, WorkerRecord, write_worker_record
 
 log = logging.getLogger(__name__)
 

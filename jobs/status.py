@@ -8,16 +8,13 @@ completed (stop or length), failed (error rows), plus cancelled.
 from __future__ import annotations
 
 import logging
-import time
 
 import duckdb
 
 from jobs.broker import BrokerSettings
-from jobs.leases import ShardLeases
-from jobs.manifest import JobManifest, JobPaths, load_manifest
-from jobs.store.catalog import connect, unreadable_part_message
-from jobs.store.parts import Store
-from jobs.store.schemas import ShardEvent
+from jobs.ledger import ShardLedger
+from jobs.manifest import JobManifest, load_manifest
+from jobs.store import connect, unreadable_part_message
 from jobs.supervise import job_progress
 
 log = logging.getLogger(__name__)
@@ -184,12 +181,7 @@ def cancel_job(manifest: JobManifest, reason: str) -> bool:
     The cancel marker is what workers act on; the store's cancel request is what the views show.
     False (and nothing written) when the job was cancelled already.
     """
-    paths = JobPaths.of(manifest.data_dir, manifest.job_id)
-    if paths.cancel_marker.exists():
-        return False
-    paths.cancel_marker.write_text(reason + "\n")
-    Store(manifest.data_dir).request_cancel(manifest.job_id, reason)
-    return True
+    return ShardLedger(manifest.data_dir, manifest.job_id).cancel_job(reason)
 
 
 
@@ -197,8 +189,8 @@ def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[i
     """Publish again the shards that failed for good, with a fresh retry budget; their ids."""
     from jobs.celery_app import publish_shard
 
-    paths = JobPaths.of(manifest.data_dir, manifest.job_id)
-    if paths.cancel_marker.exists():
+    ledger = ShardLedger(manifest.data_dir, manifest.job_id)
+    if ledger.cancelled:
         raise ValueError(f"job {manifest.job_id} was cancelled; its shards are not retried")
     con = connect(manifest.data_dir)
     try:
@@ -207,11 +199,7 @@ def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[i
             [manifest.job_id])]
     finally:
         con.close()
-    claims = ShardLeases(paths.leases).claimed_attempts()
-    store = Store(manifest.data_dir)
     for shard_id in failed:
-        next_attempt = (claims.get(shard_id) or [0])[-1] + 1
-        store.record_shard_events([ShardEvent(manifest.job_id, shard_id, "queued", time.time(),
-                                              attempt=next_attempt, error="retry requested")])
+        ledger.queue(shard_id, "retry requested")
         publish_shard(broker, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir)
     return failed

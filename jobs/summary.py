@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from jobs.manifest import JobManifest
 from jobs.status import REQUEST_OUTCOMES_SQL
-from jobs.store.catalog import connect
+from jobs.store import connect
 
 
 @dataclass

@@ -107,13 +107,15 @@ def _no_backend_to_mark(record: logging.LogRecord) -> bool:
 
 
 def _record(config: EngineConfig, settings: BrokerSettings, worker_id: str, concurrency: int):
+    from dataclasses import asdict
+
     from jobs.leases import lease_ttl_s
-    from jobs.store.workers import WorkerRecord
+    from jobs.store import WorkerRecord
 
     now = time.time()
     return WorkerRecord(worker_id, socket.gethostname(), os.getpid(), now, now, lease_ttl_s(),
                         model=config.model, queue=settings.queue, broker=settings.display_url,
-                        concurrency=concurrency)
+                        concurrency=concurrency, engine_config=asdict(config))
 
 
 def _serve_metrics(worker_id: str, config: EngineConfig, at: tuple[str, int], record):

@@ -3,10 +3,13 @@
 `connect(data_dir)` returns an in-memory DuckDB connection with every view defined over the data
 dir's Parquet globs. It never opens `DATA_DIR/batchgen.duckdb`: a user's `duckdb` CLI holding that
 file would lock every other process out. `write_catalog(data_dir)` (re)creates the same views in the
-catalog file for users who want `duckdb data/batchgen.duckdb`; it is called on set-up and after
-compaction, and skipped quietly while someone holds the file.
+catalog file for users who want `cd data && duckdb batchgen.duckdb`; it is called on set-up and after
+compaction, and skipped quietly while someone holds the file. The catalog's views read paths relative
+to the data dir (DuckDB resolves them against the working directory or `file_search_path`), so a
+copied or moved data dir reads its own files, never the old one's.
 
-Views (DESIGN.md "Views"; the `_bg_*` names are internal):
+Views (DESIGN.md "Views"; their building blocks are internal views in the schema `_bg`, out of
+`SHOW TABLES`; `_bg_*` columns are internal):
 
 - `jobs`, `shards`: status derived from job records, shard events, cancel requests and commits.
 - `outputs`, `requests`: rows of the one committed attempt per shard (first committed wins).
@@ -29,7 +32,8 @@ against `now()`, the start of the query's transaction, which every scan of one q
   are deleted only long after (`compact.GRACE_S`). Each raw part's rows (`_bg_part`) are taken from
   the first active compacted file holding them, else from the raw part itself: counted once.
 - Every kind has a zero-row `_schema.parquet`, so an empty data dir gives zero rows, not an error.
-- Paths are absolute (resolved when the connection is made), so views work from any cwd.
+- In `connect`'s in-memory views paths are absolute (resolved when the connection is made), so
+  they work from any cwd; the catalog file's are relative (above).
 
 Clock skew between machines sharing DATA_DIR (set `BATCHGEN_STORE_CLOCK_SKEW_S`, default 0) must be
 below the fences; on one machine the commit fence costs nothing (a committed shard is visible to
@@ -43,6 +47,7 @@ import logging
 import os
 import re
 import time
+from pathlib import Path
 
 import duckdb
 
@@ -75,15 +80,17 @@ def _now_s() -> str:
     return f"(epoch_us(now()) / 1e6 - {clock_skew_s():.6f})"
 
 
-def _scan_sql(layout: Layout, kind: str) -> str:
-    """Every row of a kind once: from the first active compacted file holding its part, else raw."""
-    compacted = str(layout.kind_dir(kind) / "compacted") + os.sep
-    # compacted names are c<10**16 - epoch_us>~<uid>.parquet (compact._compacted_name)
+def _scan_sql(layout: Layout, kind: str, relative_to: Path | None = None) -> str:
+    """Every row of a kind once: from the first active compacted file holding its part, else raw.
+    With `relative_to`, the glob is relative to that directory (the catalog file's views)."""
+    glob = layout.glob(kind) if relative_to is None else os.path.relpath(layout.glob(kind), relative_to)
+    # compacted files: <kind>/compacted/<group>/c<10**16 - epoch_us>~<uid>.parquet (compact._compacted_name);
+    # told apart by name, not by a path prefix, as DuckDB may report a relative glob's files resolved
     named_at = "(1e16 - CAST(regexp_extract(_bg_file, '/c([0-9]{16})~[^/]*$', 1) AS DOUBLE)) / 1e6"
     return f"""
 WITH s AS (
-    SELECT *, starts_with(_bg_file, {_q(compacted)}) AS _bg_compacted
-    FROM read_parquet({_q(layout.glob(kind))}, union_by_name = true, hive_partitioning = false,
+    SELECT *, regexp_matches(_bg_file, '/compacted/[^/]+/c[0-9]{{16}}~[^/]*$') AS _bg_compacted
+    FROM read_parquet({_q(glob)}, union_by_name = true, hive_partitioning = false,
                       filename = '_bg_file')
 ), active AS (
     SELECT _bg_part, min(_bg_file) AS _bg_file FROM s
@@ -98,33 +105,35 @@ WHERE (a._bg_part IS NULL AND NOT s._bg_compacted) OR a._bg_file = s._bg_file
 
 def _winners_sql() -> str:
     return f"""
-SELECT * FROM _scan_commits WHERE committed_ts <= {_now_s()}
+SELECT * FROM _bg.scan_commits WHERE committed_ts <= {_now_s()}
 QUALIFY row_number() OVER (PARTITION BY job_id, shard_id ORDER BY committed_ts, _bg_attempt_id) = 1
 """
 
 _JOB_RECORDS = """
-SELECT * FROM _scan_job_records
+SELECT * FROM _bg.scan_job_records
 QUALIFY row_number() OVER (PARTITION BY job_id ORDER BY submitted_ts, _bg_part) = 1
 """
 
 _CANCELS = """
 SELECT job_id, min(ts) AS cancel_ts, arg_min(reason, ts) AS cancel_reason
-FROM _scan_job_events WHERE event = 'cancel_requested' GROUP BY job_id
+FROM _bg.scan_job_events WHERE event = 'cancel_requested' GROUP BY job_id
 """
 
 _OUTPUTS = """
 SELECT o.* EXCLUDE (_bg_shard_id, _bg_attempt_id, _bg_part)
-FROM _winners AS w JOIN _scan_outputs AS o ON o.job_id = w.job_id AND o._bg_attempt_id = w._bg_attempt_id
+FROM _bg.winners AS w
+JOIN _bg.scan_outputs AS o ON o.job_id = w.job_id AND o._bg_attempt_id = w._bg_attempt_id
 """
 
 _REQUESTS = """
 SELECT r.* EXCLUDE (_bg_attempt_id, _bg_part)
-FROM _winners AS w JOIN _scan_requests AS r ON r.job_id = w.job_id AND r._bg_attempt_id = w._bg_attempt_id
+FROM _bg.winners AS w
+JOIN _bg.scan_requests AS r ON r.job_id = w.job_id AND r._bg_attempt_id = w._bg_attempt_id
 """
 
 _REQUESTS_LIVE = """
 SELECT r.* EXCLUDE (_bg_attempt_id, _bg_part), w._bg_attempt_id IS NOT NULL AS committed
-FROM _winners AS w RIGHT JOIN _scan_requests AS r ON r.job_id = w.job_id AND r.shard_id = w.shard_id
+FROM _bg.winners AS w RIGHT JOIN _bg.scan_requests AS r ON r.job_id = w.job_id AND r.shard_id = w.shard_id
 WHERE w._bg_attempt_id IS NULL OR r._bg_attempt_id = w._bg_attempt_id
 QUALIFY w._bg_attempt_id IS NOT NULL
      OR (r.attempt, r._bg_attempt_id)
@@ -145,15 +154,15 @@ SELECT job_id, shard_id,
     max(num_requests) AS num_requests,
     min(ts) FILTER (WHERE event = 'running') AS first_running_ts
 FROM (SELECT *, CASE event WHEN 'queued' THEN 0 WHEN 'running' THEN 1 ELSE 2 END AS rank
-      FROM _scan_shard_events)
+      FROM _bg.scan_shard_events)
 GROUP BY job_id, shard_id
 """
 
 _SHARDS = """
 WITH keys AS (
-    SELECT job_id, shard_id FROM _shard_event_agg
-    UNION SELECT job_id, shard_id FROM _winners
-    UNION SELECT job_id, unnest(range(num_shards)) AS shard_id FROM _job_records
+    SELECT job_id, shard_id FROM _bg.shard_event_agg
+    UNION SELECT job_id, shard_id FROM _bg.winners
+    UNION SELECT job_id, unnest(range(num_shards)) AS shard_id FROM _bg.job_records
 )
 SELECT k.job_id, k.shard_id,
     CASE WHEN w.job_id IS NOT NULL THEN 'completed'
@@ -174,9 +183,9 @@ SELECT k.job_id, k.shard_id,
     coalesce(w.output_tokens, 0) AS output_tokens,
     w.attempt AS committed_attempt
 FROM keys AS k
-LEFT JOIN _shard_event_agg AS a ON a.job_id = k.job_id AND a.shard_id = k.shard_id
-LEFT JOIN _winners AS w ON w.job_id = k.job_id AND w.shard_id = k.shard_id
-LEFT JOIN _cancels AS c ON c.job_id = k.job_id
+LEFT JOIN _bg.shard_event_agg AS a ON a.job_id = k.job_id AND a.shard_id = k.shard_id
+LEFT JOIN _bg.winners AS w ON w.job_id = k.job_id AND w.shard_id = k.shard_id
+LEFT JOIN _bg.cancels AS c ON c.job_id = k.job_id
 """
 
 _JOB_SHARDS = """
@@ -213,8 +222,8 @@ WITH j AS (
         coalesce(s.running, 0) AS shards_running, coalesce(s.rows_done, 0) AS rows_done,
         coalesce(s.prompt_tokens, 0) AS prompt_tokens, coalesce(s.output_tokens, 0) AS output_tokens,
         coalesce(s.error, c.cancel_reason) AS error
-    FROM _job_records AS r FULL JOIN _job_shards AS s ON s.job_id = r.job_id
-    LEFT JOIN _cancels AS c ON c.job_id = coalesce(r.job_id, s.job_id)
+    FROM _bg.job_records AS r FULL JOIN _bg.job_shards AS s ON s.job_id = r.job_id
+    LEFT JOIN _bg.cancels AS c ON c.job_id = coalesce(r.job_id, s.job_id)
 )
 SELECT job_id, status, model, num_requests, num_shards, submitted_at, started_at,
     CASE WHEN status IN ('completed', 'failed', 'cancelled')
@@ -225,32 +234,40 @@ FROM j
 """
 
 
-def view_definitions(layout: Layout) -> list[tuple[str, str]]:
-    """(name, SELECT) of every view, in creation order: the one shared definition."""
-    views = [(f"_scan_{kind}", _scan_sql(layout, kind)) for kind in KINDS]
+INTERNAL_SCHEMA = "_bg"  # the views' building blocks, out of `SHOW TABLES` (`SHOW ALL TABLES` lists them)
+
+
+def view_definitions(layout: Layout, relative_to: Path | None = None) -> list[tuple[str, str]]:
+    """(name, SELECT) of every view, in creation order: the one shared definition. Paths are absolute,
+    or relative to `relative_to` (the catalog file's, so a copied or moved data dir reads its own files)."""
+    views = [(f"{INTERNAL_SCHEMA}.scan_{kind}", _scan_sql(layout, kind, relative_to)) for kind in KINDS]
     views += [
-        ("_winners", _winners_sql()), ("_job_records", _JOB_RECORDS), ("_cancels", _CANCELS),
-        ("_shard_event_agg", _SHARD_EVENT_AGG),
+        ("_bg.winners", _winners_sql()), ("_bg.job_records", _JOB_RECORDS), ("_bg.cancels", _CANCELS),
+        ("_bg.shard_event_agg", _SHARD_EVENT_AGG),
         ("outputs", _OUTPUTS), ("requests", _REQUESTS), ("requests_live", _REQUESTS_LIVE),
-        ("iterations", "SELECT * EXCLUDE (_bg_part) FROM _scan_iterations"),
-        ("sweeps", "SELECT * EXCLUDE (_bg_part) FROM _scan_sweeps"),
-        ("shards", _SHARDS), ("_job_shards", _JOB_SHARDS), ("jobs", _JOBS),
+        ("iterations", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_iterations"),
+        ("sweeps", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_sweeps"),
+        ("shards", _SHARDS), ("_bg.job_shards", _JOB_SHARDS), ("jobs", _JOBS),
     ]
     return views
 
 
-def create_views(con: duckdb.DuckDBPyConnection, layout: Layout) -> dict[str, str]:
+def create_views(con: duckdb.DuckDBPyConnection, layout: Layout,
+                 relative_to: Path | None = None) -> dict[str, str]:
     """Create every view; {kind: error} for kinds whose parts cannot be read (see `_unreadable_sql`)."""
+    con.execute(f"CREATE SCHEMA IF NOT EXISTS {INTERNAL_SCHEMA}")
     broken: dict[str, str] = {}
-    for name, select in view_definitions(layout):
-        kind = name.removeprefix("_scan_") if name.startswith("_scan_") else None
+    scan_prefix = f"{INTERNAL_SCHEMA}.scan_"
+    for name, select in view_definitions(layout, relative_to):
+        kind = name.removeprefix(scan_prefix) if name.startswith(scan_prefix) else None
         try:
             con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
         except (duckdb.IOException, duckdb.InvalidInputException) as exc:
             if kind is None:
                 raise
             broken[kind] = unreadable_part_message(str(exc))
-            con.execute(f"CREATE OR REPLACE VIEW {name} AS {_unreadable_sql(layout, kind, broken[kind])}")
+            stand_in = _unreadable_sql(layout, kind, broken[kind], relative_to)
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS {stand_in}")
     return broken
 
 
@@ -268,11 +285,13 @@ QUARANTINE_HINT = ("a part file of the store is corrupt or missing: `batchgen st
                    "moves bad files aside and says what they held")
 
 
-def _unreadable_sql(layout: Layout, kind: str, message: str) -> str:
+def _unreadable_sql(layout: Layout, kind: str, message: str, relative_to: Path | None = None) -> str:
     """A stand-in for a kind's scan whose files cannot be read: it has the kind's base columns, and
     every query that reads it fails with `message` (naming the file), while queries on views over
     other kinds (and `SELECT 1`) still answer."""
     schema = str(layout.kind_dir(kind) / "_schema.parquet")
+    if relative_to is not None:
+        schema = os.path.relpath(schema, relative_to)
     return (f"SELECT s.* FROM (SELECT 1 AS one WHERE error({_q(message)}) IS NULL) AS t "
             f"LEFT JOIN read_parquet({_q(schema)}) AS s ON true")
 
@@ -351,14 +370,25 @@ def write_catalog(data_dir: str | os.PathLike) -> bool:
         log.info("catalog %s is in use, views not refreshed: %s", layout.catalog, exc)
         return False
     try:
-        create_views(con, layout)
-        con.execute("CREATE OR REPLACE TABLE batchgen_meta AS "
+        for name in _stale_objects(con):  # objects of older catalogs (internal views were in main)
+            con.execute(f"DROP VIEW IF EXISTS {name}")
+        # DuckDB binds a view when it is created: resolve the relative paths against the data dir
+        con.execute(f"SET file_search_path = {_q(str(layout.root))}")
+        create_views(con, layout, relative_to=layout.root)
+        con.execute(f"CREATE OR REPLACE TABLE {INTERNAL_SCHEMA}.meta AS "
                     "SELECT ? AS schema_version, ? AS data_dir, ? AS written_at",
                     [SCHEMA_VERSION, str(layout.root), time.time()])
+        con.execute("DROP TABLE IF EXISTS batchgen_meta")
         con.execute("CHECKPOINT")
     finally:
         con.close()
     return True
+
+
+def _stale_objects(con: duckdb.DuckDBPyConnection) -> list[str]:
+    return [r[0] for r in con.execute(
+        "SELECT view_name FROM duckdb_views() WHERE schema_name = 'main' AND NOT internal "
+        "AND starts_with(view_name, '_')").fetchall()]
 
 
 def migrate(layout: Layout, version: int) -> None:

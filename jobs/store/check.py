@@ -157,8 +157,8 @@ def _tombstone_of(layout: Layout, kind: str, group: str, name: str) -> Path | No
 
 _MISSING_SQL = """
 SELECT w.job_id, w.shard_id, any_value(w.num_outputs) AS committed, count(o.job_id) AS found
-FROM _winners AS w
-LEFT JOIN _scan_outputs AS o ON o.job_id = w.job_id AND o._bg_attempt_id = w._bg_attempt_id
+FROM _bg.winners AS w
+LEFT JOIN _bg.scan_outputs AS o ON o.job_id = w.job_id AND o._bg_attempt_id = w._bg_attempt_id
 GROUP BY w.job_id, w.shard_id HAVING count(o.job_id) < any_value(w.num_outputs)
 ORDER BY w.job_id, w.shard_id
 """

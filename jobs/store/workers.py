@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from jobs.store.layout import Layout, new_uid, path_safe
@@ -43,6 +43,7 @@ class WorkerRecord:
     shards_held: int = 0  # shard attempts it held at the heartbeat
     iterations: int = 0  # engine steps it had run at the heartbeat
     metrics_url: str = ""  # its Prometheus /metrics, when served
+    engine_config: dict = field(default_factory=dict)  # the EngineConfig it serves, resolved (every field)
 
     def state(self, now: float) -> str:
         """alive | stopped | lost (see the module docstring)."""

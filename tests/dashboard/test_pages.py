@@ -195,6 +195,15 @@ def test_workers_page_equals_sql(client, job_data_dir):
     assert re.search(rf'data-field="lifetime_decode_tokens_per_s">{re.escape(fmt_rate(want["rate"]))}<', page)
 
 
+def test_job_page_shows_the_engine_config_its_workers_really_ran(client, job_data_dir):
+    worker = sql_one(job_data_dir, f"SELECT any_value(worker_id) AS w FROM shards WHERE job_id = '{JOB_ID}'")
+    page = client.get(f"/jobs/{JOB_ID}").get_data(as_text=True)
+    start = page.index('id="engine-config"')
+    table = page[start:page.index("</table>", start + 30)]
+    assert html.escape(worker["w"]) in table
+    assert re.search(r"<td>max_num_seqs</td><td><code>6</code>", table), table
+
+
 @pytest.mark.parametrize("url", ["/jobs/no-such-job", "/api/jobs/no-such-job",
                                  "/api/jobs/no-such-job/iterations", "/jobs/no-such-job/outputs.parquet"])
 def test_unknown_job_is_404(client, url):

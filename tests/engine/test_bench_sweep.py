@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from engine.bench import bench, make_workload, percentile
 from engine.config import EngineConfig
-from engine.sweep import find_knee, first_slo_breach, parse_values, sweep
 from jobs.store import connect
+from jobs.sweep import find_knee, first_slo_breach, parse_values, sweep
 
 TINY = ["--model", "tiny-random", "--num-kv-blocks", "256", "--block-size", "4"]
 

@@ -3,10 +3,12 @@ engine flags that rebuild a config."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import click
 import pytest
 
-from engine.cli_options import engine_config, engine_flags, engine_options
+from engine.cli_options import ENGINE_FIELDS, engine_config, engine_options
 from engine.config import EngineConfig
 
 
@@ -34,18 +36,24 @@ def test_bad_values_name_the_field(field, value, message):
         EngineConfig(**{field: value})
 
 
-def test_flags_rebuild_the_config():
-    config = EngineConfig(max_num_seqs=5, kv_cache_memory_gb=2.5, enforce_eager=True, dtype="bfloat16",
-                          gpu_memory_utilization=0.7, enable_chunked_prefill=False)
-    flags = engine_flags(config)
-    assert "--kv-cache-memory" in flags and "--enforce-eager" in flags
-
+def test_the_engine_flags_are_derived_from_engine_config():
     @click.command()
     @engine_options
     def parse(**opts):
         return engine_config(opts)
 
-    assert parse.main(flags, standalone_mode=False) == config
+    # every field is a flag but the per-request seed default (jobs take --seed per row)
+    assert set(ENGINE_FIELDS) == {f.name for f in fields(EngineConfig)} - {"seed"}
+    assert {p.name for p in parse.params} == set(ENGINE_FIELDS)
+    flags = ["--max-num-seqs", "5", "--kv-cache-memory", "2.5", "--enforce-eager", "--dtype", "bfloat16",
+             "--gpu-memory-utilization", "0.7", "--no-enable-chunked-prefill",
+             "--scheduling-policy", "priority"]
+    assert parse.main(flags, standalone_mode=False) == EngineConfig(
+        max_num_seqs=5, kv_cache_memory_gb=2.5, enforce_eager=True, dtype="bfloat16",
+        gpu_memory_utilization=0.7, enable_chunked_prefill=False, scheduling_policy="priority")
+    assert parse.main([], standalone_mode=False) == EngineConfig(), "unset flags keep the device defaults"
+    with pytest.raises(click.BadParameter):
+        parse.main(["--dtype", "fp8"], standalone_mode=False)
 
 
 def test_dtype_auto_on_the_command_line():

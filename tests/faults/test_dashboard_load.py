@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from dashboard import create_app, loadbench
+from dashboard import create_app
+from jobs.store import loadbench
 from jobs.store.parts import Store
 from jobs.store.schemas import JobRecord, ShardEvent
 

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,6 +15,7 @@ from click.testing import CliRunner
 
 from engine import LLM, SamplingParams
 from jobs.cli import cli
+from jobs.manifest import JobPaths, load_manifest, write_manifest
 from tests.jobs.helpers import LEASE_TTL_S, MODEL, job_status, one_torch_thread, prompts, shards_of
 
 
@@ -42,7 +44,6 @@ def test_bad_input_is_a_usage_error(tmp_path, command, columns, message):
 @pytest.mark.parametrize("args, message", [
     (["--shard-size", "0"], "--shard-size must be >= 1"),
     (["--temperature", "-1"], "temperature must be a finite number in [0, inf)"),
-    (["--max-num-seqs", "0"], "max_num_seqs must be an integer in [1, 65536]"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
     (["--broker", "bogus://x"], "use redis://... or amqp://..."),
 ])
@@ -50,6 +51,47 @@ def test_bad_flags_are_usage_errors(tmp_path, args, message):
     src = _write(tmp_path / "ok.parquet", prompt=["a"])
     result = _invoke("submit", src, "--model", MODEL, "--data-dir", str(tmp_path / "data"), *args)
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_bad_engine_flags_are_usage_errors(tmp_path):
+    src = _write(tmp_path / "ok.parquet", prompt=["a"])
+    data = str(tmp_path / "data")
+    result = _invoke("run", src, "--model", MODEL, "--data-dir", data, "--max-num-seqs", "0")
+    assert result.exit_code == 2, result.output
+    assert "max_num_seqs must be an integer in [1, 65536]" in result.output
+
+
+def test_submit_refuses_engine_settings_they_belong_to_the_worker(tmp_path):
+    data = tmp_path / "data"
+    src = _write(tmp_path / "ok.parquet", prompt=["a"])
+    result = _invoke("submit", src, "--model", MODEL, "--data-dir", str(data), "--max-num-seqs", "2",
+                     "--dtype", "bfloat16", "--kv-cache-memory", "1")
+    assert result.exit_code == 2, result.output
+    assert "--max-num-seqs, --kv-cache-memory, --dtype: engine settings belong to `batchgen worker`" \
+        in " ".join(result.output.split()), result.output
+    assert not (data / "jobs").exists() or not any((data / "jobs").iterdir()), "nothing was queued"
+
+
+def test_worker_job_takes_the_recorded_engine_config(tmp_path, monkeypatch):
+    import jobs.worker_main
+
+    data = tmp_path / "data"
+    src = _write(tmp_path / "ok.parquet", prompt=["a"])
+    sub = _invoke("submit", src, "--model", MODEL, "--data-dir", str(data), "--queue", "q.w")
+    job_id = sub.output.strip().splitlines()[-1]
+    manifest = load_manifest(data, job_id)
+    assert manifest.engine == {"model": MODEL}, "a submitted job records its model only, never engine limits"
+    # a job `run` started records the whole config its workers take
+    write_manifest(replace(manifest, engine={"model": MODEL, "max_num_seqs": 3, "dtype": "float32"}),
+                   JobPaths.of(data, job_id))
+    seen = []
+    monkeypatch.setattr(jobs.worker_main, "run_worker", lambda config, *a: seen.append(config) or 0)
+    result = _invoke("worker", "--job", job_id, "--data-dir", str(data), "--queue", "q.w",
+                     "--max-num-batched-tokens", "64")
+    assert result.exit_code == 0, result.output
+    assert (seen[0].model, seen[0].max_num_seqs, seen[0].max_num_batched_tokens) == (MODEL, 3, 64)
+    missing = _invoke("worker", "--job", "job-nope", "--data-dir", str(data))
+    assert missing.exit_code == 2 and "no job 'job-nope'" in missing.output, missing.output
 
 
 def test_unreadable_or_missing_input(tmp_path):

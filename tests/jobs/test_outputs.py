@@ -330,3 +330,24 @@ def test_attempts_of_a_killed_worker_are_handed_back_for_it(data_dir, tmp_path):
     assert leases.view(0, 1).state.state == "handed_back" and leases.view(1, 1).state.state == "running"
     assert shards_of(data_dir, m.job_id)[0]["status"] == "queued"
     assert retries_used(leases, 0, [1]) == 0, "a hand-back uses no retry"
+
+
+def test_export_command_writes_the_clean_table(runtime, data_dir, tmp_path, monkeypatch):
+    m = _job(data_dir, _parquet(tmp_path, prompt=["a", "b", "c"], id=["1", "2", "3"]), shard_size=2)
+    _run(m, runtime)
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    plain = runner.invoke(cli, ["export", m.job_id, "--data-dir", str(data_dir)])
+    assert plain.exit_code == 0, plain.output
+    default = tmp_path / f"{m.job_id}.outputs.parquet"
+    assert pq.read_table(default).column("request_id").to_pylist() == ["1", "2", "3"]
+    as_jsonl = runner.invoke(cli, ["export", m.job_id, "--data-dir", str(data_dir), "--format", "jsonl"])
+    assert as_jsonl.exit_code == 0, as_jsonl.output
+    lines = (tmp_path / f"{m.job_id}.outputs.jsonl").read_text().splitlines()
+    assert [json.loads(line)["request_id"] for line in lines] == ["1", "2", "3"]
+    for args, message in ((["--format", "jsonl", "--output", "x.parquet"], "disagree"),
+                          (["--output", "x.csv"], "give a .parquet or .jsonl file")):
+        bad = runner.invoke(cli, ["export", m.job_id, "--data-dir", str(data_dir), *args])
+        assert bad.exit_code == 2 and message in bad.output, bad.output
+    missing = runner.invoke(cli, ["export", "job-nope", "--data-dir", str(data_dir)])
+    assert missing.exit_code == 2 and "no job 'job-nope'" in missing.output

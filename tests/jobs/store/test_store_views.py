@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import duckdb
 import pytest
@@ -62,13 +64,38 @@ def test_views_work_from_any_working_directory(tmp_path, monkeypatch):
     con = connect("data")  # relative: resolved once, when the connection is made
     monkeypatch.chdir(elsewhere)
     assert _one(con, "SELECT count(*) FROM outputs") == [(2,)]
-    # and the catalog file, opened by a fresh process from yet another directory
-    assert write_catalog(data_dir)
+
+
+def _catalog_count(catalog: Path, cwd: Path | str, setup: str = "") -> str:
+    """count(*) of outputs through the catalog file, read by a fresh process (a user's duckdb)."""
     script = ("import duckdb, sys; c = duckdb.connect(sys.argv[1], read_only=True); "
-              "print(c.execute('SELECT count(*) FROM outputs').fetchall()[0][0])")
-    out = subprocess.run([sys.executable, "-c", script, str(data_dir / "batchgen.duckdb")], cwd="/",
-                         capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "2"
+              f"{setup}print(c.execute('SELECT count(*) FROM outputs').fetchall()[0][0])")
+    out = subprocess.run([sys.executable, "-c", script, str(catalog)], cwd=cwd, capture_output=True,
+                         text=True)
+    return out.stdout.strip() if out.returncode == 0 else out.stderr.strip().splitlines()[-1]
+
+
+def test_the_catalog_file_is_portable_and_shows_only_the_user_views(tmp_path):
+    data_dir = tmp_path / "data"
+    _commit_shard(Store(data_dir), "job-1", 0)
+    assert write_catalog(data_dir)
+    # its views read paths relative to the data dir: opened from there, or with file_search_path
+    assert _catalog_count(data_dir / "batchgen.duckdb", data_dir) == "2"
+    search = f"c.execute(\"SET file_search_path='{data_dir}'\"); "
+    assert _catalog_count(data_dir / "batchgen.duckdb", "/", search) == "2"
+    # a copy reads its own files: more rows in the copy, then the original gone
+    copy = tmp_path / "copy"
+    shutil.copytree(data_dir, copy)
+    _commit_shard(Store(copy), "job-2", 0)
+    shutil.rmtree(data_dir)
+    assert _catalog_count(copy / "batchgen.duckdb", copy) == "4"
+    con = duckdb.connect(str(copy / "batchgen.duckdb"), read_only=True)
+    shown = {r[0] for r in con.execute("SHOW TABLES").fetchall()}
+    internal = {r[0] for r in con.execute(
+        "SELECT view_name FROM duckdb_views() WHERE schema_name = '_bg'").fetchall()}
+    con.close()
+    assert shown == set(USER_VIEWS), "internal views live in the _bg schema"
+    assert {"winners", "scan_outputs", "job_shards"} <= internal
 
 
 def test_two_commits_of_one_shard_count_once_and_the_first_wins(tmp_path):
@@ -232,7 +259,7 @@ def test_catalog_records_the_schema_version(tmp_path):
     Store(tmp_path)
     assert write_catalog(tmp_path)
     con = duckdb.connect(str(tmp_path / "batchgen.duckdb"), read_only=True)
-    assert _one(con, "SELECT schema_version, data_dir FROM batchgen_meta") == [(SCHEMA_VERSION,
+    assert _one(con, "SELECT schema_version, data_dir FROM _bg.meta") == [(SCHEMA_VERSION,
                                                                                   str(tmp_path.resolve()))]
     names = {r[0] for r in _one(con, "SELECT view_name FROM duckdb_views() WHERE NOT internal")}
     assert set(USER_VIEWS) <= names
