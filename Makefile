@@ -6,7 +6,7 @@ BATCHGEN := $(VENV)/bin/batchgen
 export BATCHGEN_CACHE_DIR ?= $(CURDIR)/.cache/batchgen
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: setup demo test test-triton-compat chromium bench gpu-check lint clean
+.PHONY: setup demo test test-triton-compat chromium bench gpu-check lint clean soak
 
 # torch first and pinned: a CPU build on local disk; anything newer is a multi-GB CUDA download
 $(VENV)/.installed: pyproject.toml
@@ -52,6 +52,10 @@ gpu-check:
 
 bench: setup
 	$(BATCHGEN) bench --num-requests 128 --prompt-len 16-256 --output-len 8-128 --baseline hf
+
+# Faults against a real job on Redis (kill -9, a broker flush, a full disk); minutes; not in `make test`
+soak: setup
+	PYTHONPATH=$(CURDIR) $(PY) scripts/soak.py $(SOAK_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

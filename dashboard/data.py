@@ -15,7 +15,7 @@ from flask import current_app
 
 from dashboard import queries
 from dashboard.db import fetch_dicts, fetch_one
-from jobs.store import WorkerRecord, read_worker_records
+from jobs.store import WorkerRecord, no_worker_warning, read_worker_records
 
 LIVE_STATUSES = ("queued", "running")
 MAX_JOBS = 500  # jobs listed on the jobs page
@@ -55,6 +55,15 @@ class JobSummary:
 
     def as_json(self) -> dict:
         return asdict(self)
+
+
+def job_warning(job: JobSummary, config: dict) -> str | None:
+    """The job's shards wait while no live worker consumes its queue (jobs.store.workers)."""
+    if not job.live:
+        return None
+    queued = (job.num_shards or 0) - job.shards_completed - job.shards_failed - job.shards_running
+    return no_worker_warning(queued, config.get("queue", ""), config.get("broker", ""),
+                             read_worker_records(current_app.config["DATA_DIR"]), time.time())
 
 
 def job_summaries(limit: int = MAX_JOBS) -> list[JobSummary]:

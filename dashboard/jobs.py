@@ -56,7 +56,7 @@ def index():
 def job_page(job_id: str):
     job, config = existing_job(job_id)
     return render_template(
-        "job.html", job=job, job_config=config,
+        "job.html", job=job, job_config=config, warning=data.job_warning(job, config),
         worker_configs=data.job_worker_configs(job.job_id),
         shards=data.job_shards(job.job_id),
         outputs=data.job_outputs_sample(job.job_id, current_app.config["OUTPUT_SAMPLE_ROWS"]),
@@ -91,7 +91,8 @@ def api_jobs():
 @bp.get("/api/jobs/<job_id>")
 def api_job(job_id: str):
     job, config = existing_job(job_id)
-    return jsonify(job=job.as_json(), config=config, shards=data.job_shards(job.job_id),
+    return jsonify(job=job.as_json(), config=config, warning=data.job_warning(job, config),
+                   shards=data.job_shards(job.job_id),
                    latency=series.job_latency(job.job_id), preemptions=data.job_preemptions(job.job_id))
 
 

@@ -8,7 +8,9 @@ way Flask's `flask.commands` does: jobs never imports them.
 
 from __future__ import annotations
 
+import errno
 import importlib
+import sys
 
 import click
 
@@ -79,7 +81,25 @@ def cli() -> None:
 
 
 def main() -> None:
-    cli()
+    """Run the CLI; an error of the environment (a full disk, a read-only or vanished directory) that
+    no command turned into its own message ends in one line and exit 1, never a traceback."""
+    try:
+        cli()
+    except OSError as exc:
+        click.echo(f"Error: {describe_os_error(exc)}", err=True)
+        sys.exit(1)
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line naming the cause and the path (a full disk says so: the input is not at fault)."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno in NO_SPACE or "No space left on device" in str(exc):
+        return f"no space left on the device{where}: free some space and run the command again"
+    text = exc.strerror or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"{text}{where}"
 
 
 if __name__ == "__main__":

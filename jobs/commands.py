@@ -1,7 +1,8 @@
 """The job commands of `batchgen`: run, submit, worker, status, cancel, retry (DESIGN.md "CLI").
 
-Exit codes: 0 done; 1 the job (or a worker) failed; 2 bad usage or bad input (click's usage error),
-with a message naming the flag, file, column or row.
+Exit codes: 0 done; 1 the job (or a worker) failed, or the environment did (a broker out of reach,
+a full disk: jobs.cli); 2 bad usage or bad input (click's usage error), with a message naming the
+flag, file, column or row.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ _JOB_OPTIONS = [
                  help="Retries of a shard that fails or whose worker dies before it fails for good."),
     click.option("--retry-backoff", type=float, default=5.0, show_default=True,
                  help="Seconds before the first retry (doubles each retry)."),
-    click.option("--job-id", help="Job id (default job-<utc time>-<random>)."),
+    click.option("--job-id", callback=lambda ctx, param, value: _valid_job_id(ctx, param, value),
+                 help="Job id (default job-<utc time>-<random>): 1-128 of [A-Za-z0-9._-]."),
     click.option("--apply-chat-template", type=click.Choice(CHAT_TEMPLATE_MODES), default="auto",
                  show_default=True, help="A text `prompt` through the model's chat template: auto = when "
                  "the model has one (not for OpenAI /v1/completions requests), always, never."),
@@ -87,6 +89,32 @@ _BROKER_OPTION = click.option(
     "--broker", "broker_url", envvar=BROKER_ENV,
     help=f"redis://... or amqp://... (or ${BROKER_ENV}); unset or 'embedded': the embedded broker "
          "under the data dir.")
+
+
+def _valid_job_id(ctx, param, value: str | None) -> str | None:
+    """--job-id becomes a directory name and part of a queue name: checked before anything else."""
+    if value is None:
+        return None
+    from jobs.store import StoreError, check_id
+
+    try:
+        return check_id("job id", value)
+    except StoreError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+def usable_data_dir(data_dir: str) -> str:
+    """--data-dir made absolute and created if missing; a path that cannot be (a file, /proc/x, no
+    permission) is a usage error naming the flag."""
+    path = Path(data_dir).expanduser().resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(f"{path} cannot be used as a data dir: {exc.strerror or exc}",
+                                 param_hint="'--data-dir'") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"{path} is not writable", param_hint="'--data-dir'")
+    return str(path)
 
 
 def _response_format(path: str | None) -> dict | None:
@@ -227,6 +255,7 @@ def submit(prompts: str, data_dir: str, broker_url: str | None, queue: str, **op
 
     _refuse_worker_settings(opts)
     config = engine_config(opts)
+    data_dir = usable_data_dir(data_dir)
     settings = _broker(data_dir, queue, url=broker_url)
     check_broker(settings)
     manifest = _prepare(_job_request(prompts, data_dir, config, opts, None), settings)
@@ -273,13 +302,14 @@ def worker(data_dir: str, broker_url: str | None, queue: str, job_id: str | None
     from jobs.logs import configure_logging
     from jobs.worker_main import run_worker
 
+    data_dir = usable_data_dir(data_dir)
     config = engine_config(opts, **(_manifest(data_dir, job_id).engine if job_id else {}))
     settings = _broker(data_dir, queue, url=broker_url, timeout_s=shard_timeout)
     check_broker(settings)
     worker_id = worker_id or f"batchgen-{os.getpid()}@{socket.gethostname()}"
     configure_logging(level=loglevel)
     metrics_at = (metrics_host, metrics_port) if metrics_port is not None else None
-    sys.exit(run_worker(config, settings, str(Path(data_dir).expanduser().resolve()), worker_id,
+    sys.exit(run_worker(config, settings, data_dir, worker_id,
                         concurrency, loglevel, metrics_at))
 
 
@@ -312,7 +342,7 @@ def run(prompts: str, data_dir: str, output: Path | None, workers: int, concurre
     from jobs.local_run import LocalRun, RunError, resume_command
 
     config = engine_config(opts)
-    data_dir = str(Path(data_dir).expanduser().resolve())
+    data_dir = usable_data_dir(data_dir)
     request = _job_request(prompts, data_dir, config, opts, output, local=True)
     manifest, resumed = _run_job(request)
     broker = _broker(data_dir, manifest.queue, embedded=True)
@@ -452,7 +482,7 @@ def _requeue(data_dir: str, job_id: str | None) -> None:
         click.echo(f"warning: could not re-queue dead shards: {exc}", err=True)
         return
     for job, shard in done:
-        click.echo(f"re-queued job {job} shard {shard} (its worker died)", err=True)
+        click.echo(f"re-queued job {job} shard {shard} (its worker died or its message was lost)", err=True)
 
 
 @click.command()
@@ -475,17 +505,23 @@ def cancel(job_id: str, data_dir: str, reason: str) -> None:
 @click.argument("job_id")
 @_DATA_DIR_OPTION
 def retry(job_id: str, data_dir: str) -> None:
-    """Queue the failed shards of a job again (completed shards are not redone)."""
-    from jobs.status import retry_failed_shards
+    """Queue the failed shards of a job again, and its stuck ones (waiting for a worker while the
+    broker holds no message for them); completed shards are not redone."""
+    from jobs.status import retry_failed_shards, retry_stuck_shards
+    from jobs.supervise import requeue_dead_shards
 
     manifest = _manifest(data_dir, job_id)
     settings = broker_for_job(manifest, data_dir)
     check_broker(settings)
     try:
-        shards = retry_failed_shards(manifest, settings)
+        failed = retry_failed_shards(manifest, settings)
+        dead = sorted(s for j, s in requeue_dead_shards(data_dir, settings) if j == job_id)
+        stuck = retry_stuck_shards(manifest, settings, skip=set(dead))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    if not shards:
-        click.echo(f"job {job_id}: no failed shards to retry")
+    if not (failed or dead or stuck):
+        click.echo(f"job {job_id}: no failed or stuck shards to retry")
         return
-    click.echo(f"job {job_id}: re-queued failed shard(s) {', '.join(map(str, shards))}")
+    for what, shards in (("failed", failed), ("dead worker's", dead), ("stuck", stuck)):
+        if shards:
+            click.echo(f"job {job_id}: re-queued {what} shard(s) {', '.join(map(str, shards))}")

@@ -7,6 +7,8 @@ died holding a shard. So the jobs layer tracks attempts itself, in DATA_DIR/jobs
     shard-000003.a002.claim      created with O_EXCL: whoever creates it owns attempt 2
     shard-000003.a002.json       its state (running/committed/failed/...), heartbeat, progress
     shard-000003.a002.requeued   created with O_EXCL by the one checker that re-queued a dead attempt
+    shard-000003.republished-<ms> created with O_EXCL by the one checker that re-published a shard
+                                 waiting since <ms> whose message the broker no longer holds
 
 Rules:
 - The next attempt of a shard is 1 + the highest claimed number; only the process whose O_EXCL
@@ -183,13 +185,39 @@ class ShardLeases:
         os.close(fd)
         lease = Lease(self, shard_id, LeaseState(worker_id, socket.gethostname(), os.getpid(), attempt,
                                                  "running", now, now))
-        lease.write()
+        try:
+            lease.write()
+        except OSError:  # a full disk: give the attempt number back, or it would look alive for a TTL
+            self._claim(shard_id, attempt).unlink(missing_ok=True)
+            raise
         return lease
 
     def mark_requeued(self, shard_id: int, attempt: int) -> bool:
         """True for exactly one caller per dead attempt: that caller re-queues the shard."""
         try:
             fd = os.open(self._requeued(shard_id, attempt), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        os.close(fd)
+        return True
+
+
+    # -- re-publishing a waiting shard whose message was lost (jobs.supervise)
+    def _republished(self, shard_id: int, since: float) -> Path:
+        return self.directory / f"shard-{shard_id:06d}.republished-{int(since * 1000)}"
+
+    def last_republished(self, shard_id: int) -> float:
+        """When the shard's message was last re-published (0.0 never)."""
+        if not self.directory.is_dir():
+            return 0.0
+        marks = self.directory.glob(f"shard-{shard_id:06d}.republished-*")
+        return max((p.stat().st_mtime for p in marks), default=0.0)
+
+    def mark_republished(self, shard_id: int, since: float) -> bool:
+        """True for exactly one caller per (shard, waiting since): that caller re-publishes it."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(self._republished(shard_id, since), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
         os.close(fd)

@@ -10,7 +10,9 @@ then print a summary and write `--output`.
 Ctrl-C hands the shards in flight back: each worker (in a session of its own, so the terminal's
 SIGINT reaches only this process) gets one SIGINT, aborts its running rows and gives its shards back
 within seconds; then the run prints where the job stands and the command that resumes it (or, if
-the job finished meanwhile, the summary and `--output` as usual).
+the job finished meanwhile, the summary and `--output` as usual). A run killed outright (SIGKILL, OOM)
+leaves no worker behind either: each watches its parent and hands its shards back when the run is
+gone (jobs.worker_main.exit_with_parent); the same command then resumes the job.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from jobs.leases import lease_ttl_s
 from jobs.manifest import JobManifest, JobPaths
 from jobs.store import Store
 from jobs.supervise import JobProgress, hand_back_dead_attempts, job_progress, requeue_dead_shards
+from jobs.worker_main import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,7 @@ class LocalRun:
                "--concurrency", str(self.concurrency), "--worker-id", worker_id,
                "--shard-timeout", str(self.manifest.shard_timeout_s or self.broker.shard_timeout_s)]
         env = {k: v for k, v in os.environ.items() if k != BROKER_ENV}
+        env[PARENT_PID_ENV] = str(os.getpid())  # the worker exits (handing back) if this process dies
         with open(log_path, "ab") as log:
             # a session of its own: a terminal's Ctrl-C reaches this process only, which then sends
             # each worker exactly one SIGINT (a second one would be Celery's cold shutdown)
@@ -217,22 +221,37 @@ class LocalRun:
 
         summary = job_summary(self.manifest)
         click.echo(summary.render(elapsed_s, resumed=self.resume))
-        compact_job(self.manifest.data_dir, self.manifest.job_id)  # fewer files: fast queries from now on
-        write_catalog(self.manifest.data_dir)
-        if self.output_path:
-            from jobs.export import ExportError, export_job
-
-            try:
-                written = export_job(self.manifest, self.output_path)
-            except ExportError as exc:
-                click.echo(f"output not written: {exc}", err=True)
-                return 1
-            click.echo(f"output: {written.path}" + (f" (failed requests: {written.errors_path})"
-                                                    if written.errors_path else ""))
-        else:
+        code = 0 if summary.status == "completed" else 1
+        try:  # fewer files: fast queries from now on; an optimisation, never the job's outcome
+            compact_job(self.manifest.data_dir, self.manifest.job_id)
+            write_catalog(self.manifest.data_dir)
+        except Exception as exc:  # noqa: BLE001 - a full disk (OSError, duckdb.IOException), ...
+            click.echo(f"warning: the job's parts were not compacted ({_first_line(exc)}); its outputs are "
+                       "intact and a worker compacts them later", err=True)
+        if not self.output_path:
             sql = f"SELECT * FROM outputs WHERE job_id = '{self.manifest.job_id}'"
             click.echo(f'outputs: batchgen sql "{sql}" --data-dir {self.manifest.data_dir}')
-        return 0 if summary.status == "completed" else 1
+            return code
+        return self._write_output(code)
+
+    def _write_output(self, code: int) -> int:
+        """--output; when the disk is full the job stays done and the message says how to write it."""
+        from jobs.export import ExportError, export_job
+
+        try:
+            written = export_job(self.manifest, self.output_path)
+        except ExportError as exc:
+            click.echo(f"output not written: {exc}", err=True)
+            return 1
+        except Exception as exc:  # noqa: BLE001 - a full disk (OSError, duckdb.IOException), ...
+            click.echo(f"output not written ({_first_line(exc)}); the job's outputs are stored: write it "
+                       f"once there is room with: batchgen export {self.manifest.job_id} --data-dir "
+                       f"{shlex.quote(self.manifest.data_dir)} --output {shlex.quote(self.output_path)}",
+                       err=True)
+            return code
+        click.echo(f"output: {written.path}" + (f" (failed requests: {written.errors_path})"
+                                                if written.errors_path else ""))
+        return code
 
 
 @contextlib.contextmanager
@@ -369,6 +388,11 @@ def _log_progress(progress: JobProgress, gen_start: float | None) -> None:
               "shards_committed": progress.count("committed"), "num_shards": len(progress.shards)}
     log.info("job %(job_id)s: %(rows_done)d/%(num_requests)d rows, %(output_tokens_per_s).1f tok/s, "
              "shards %(shards_committed)d/%(num_shards)d", fields, extra=fields)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def _tail(path: Path) -> str:

@@ -345,6 +345,8 @@ def row_request(row: dict, defaults: dict) -> RowRequest:
     prompt = row.get("prompt")
     if messages is None and prompt is None:
         return RowRequest(None, None, None, "empty prompt (both 'prompt' and 'messages' are null)")
+    if messages is not None and prompt is not None:  # which one was meant? never drop one silently
+        return RowRequest(None, None, None, "both 'prompt' and 'messages' are set; give one of them")
     if messages is not None:
         error = _check_messages(messages)
         if error:

@@ -7,14 +7,23 @@ completed (stop or length), failed (error rows), plus cancelled.
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 
 import duckdb
 
 from jobs.broker import BrokerSettings
+from jobs.leases import ShardLeases
 from jobs.ledger import ShardLedger
-from jobs.manifest import JobManifest, load_manifest
-from jobs.store import connect, unreadable_part_message
+from jobs.manifest import JobManifest, JobPaths, load_manifest
+from jobs.store import (
+    Store,
+    connect,
+    no_worker_warning,
+    read_worker_records,
+    unreadable_part_message,
+)
 from jobs.supervise import job_progress
 
 log = logging.getLogger(__name__)
@@ -68,10 +77,11 @@ def jobs_status(data_dir: str) -> list[dict]:
         counts = {r["job_id"]: r for r in found or []}
     finally:
         con.close()
-    rows = []
+    rows, records = [], read_worker_records(data_dir)
     for job_id in sorted(jobs, key=lambda j: (str(jobs[j]["submitted_at"]), j)):
         job = jobs[job_id]
         live = _live_rows(data_dir, job_id)
+        config = json.loads(job["config"] or "{}")
         rows.append({
             "job_id": job_id, "status": job["status"], "model": job["model"],
             "request_counts": _request_counts(job["num_requests"] or 0, counts.get(job_id), found is None),
@@ -79,8 +89,17 @@ def jobs_status(data_dir: str) -> list[dict]:
             "shards_completed": job["shards_completed"], "shards_failed": job["shards_failed"],
             "shards_running": job["shards_running"], "output_tokens": job["output_tokens"],
             "submitted_at": job["submitted_at"], "finished_at": job["finished_at"], "error": job["error"],
+            "warning": no_worker_warning(queued_shards(job), config.get("queue", ""),
+                                         config.get("broker", ""), records, time.time()),
         })
     return rows
+
+
+def queued_shards(job: dict) -> int:
+    """Shards of a `jobs` row waiting for a worker (none once the job ended)."""
+    if job["status"] in ("completed", "failed", "cancelled"):
+        return 0
+    return (job["num_shards"] or 0) - job["shards_completed"] - job["shards_failed"] - job["shards_running"]
 
 
 def _live_rows(data_dir: str, job_id: str) -> int:
@@ -117,6 +136,9 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
     info["shard_counts"]["total"] = len(manifest.shards)
     info["shards"] = shards if all_shards else [s for s in shards if s["status"] in LISTED_STATES]
     info["all_shards"] = all_shards
+    queued = 0 if info["status"] in ("completed", "failed", "cancelled") else info["shard_counts"]["queued"]
+    info["warning"] = no_worker_warning(queued, manifest.queue, manifest.broker,
+                                        read_worker_records(manifest.data_dir), time.time())
     return info
 
 
@@ -135,7 +157,8 @@ def render_jobs(rows: list[dict]) -> str:
                       _count(c["failed"]), _count(c["cancelled"]),
                       f"{r['shards_completed']}/{r['shards_failed']}/{r['num_shards']}",
                       str(r["output_tokens"] or 0), str(r["model"])))
-    return _table(lines)
+    warnings = [f"warning: job {r['job_id']}: {r['warning']}" for r in rows if r.get("warning")]
+    return "\n".join([_table(lines), *warnings])
 
 
 def render_job(info: dict) -> str:
@@ -148,6 +171,8 @@ def render_job(info: dict) -> str:
     ]
     if info.get("error"):
         head.append(f"error: {info['error']}")
+    if info.get("warning"):
+        head.append(f"warning: {info['warning']}")
     counts = info["shard_counts"]
     head.append(f"shards: {counts['total']} total, " + ", ".join(f"{counts[s]} {s}" for s in SHARD_STATES))
     if not info["shards"]:
@@ -203,3 +228,32 @@ def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[i
         ledger.queue(shard_id, "retry requested")
         publish_shard(broker, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir)
     return failed
+
+
+def retry_stuck_shards(manifest: JobManifest, broker: BrokerSettings,
+                       skip: set[int] = frozenset()) -> list[int]:
+    """Publish again every shard waiting for a worker with no live attempt whose message the broker
+    does not hold (on RabbitMQ, which cannot tell: every such shard); their ids. Nothing waits for
+    $BATCHGEN_REPUBLISH_AFTER_S here: the user asked (`skip`: shards just re-queued). A duplicate
+    message is harmless (one claim runs at a time, the first commit wins)."""
+    from jobs.broker_messages import live_shard_messages
+    from jobs.celery_app import publish_shard
+    from jobs.supervise import retries_used, waiting_since
+
+    leases = ShardLeases(JobPaths.of(manifest.data_dir, manifest.job_id).leases)
+    claims, store = leases.claimed_attempts(), Store(manifest.data_dir)
+    live = live_shard_messages(broker, held_within_s=leases.ttl_s) or set()  # held longer: no one runs it
+    stuck = []
+    for info in manifest.shards:
+        attempts = claims.get(info.shard_id, [])
+        since = waiting_since(manifest, leases, info.shard_id, attempts)
+        if since is None or info.shard_id in skip or (manifest.job_id, info.shard_id) in live:
+            continue
+        if store.committed(manifest.job_id, info.shard_id) is not None:
+            continue
+        ledger = ShardLedger(manifest.data_dir, manifest.job_id, store, leases)
+        ledger.take_republish(info.shard_id, time.time())
+        publish_shard(broker, manifest.job_id, info.shard_id, info.path, manifest.data_dir,
+                      retries=retries_used(leases, info.shard_id, attempts))
+        stuck.append(info.shard_id)
+    return stuck

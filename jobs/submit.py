@@ -197,21 +197,28 @@ def _job_model(req: JobRequest, read: _Read) -> str:
 def _read_file(source: _InputFile, writer: ShardWriter, ids: RequestIds) -> int:
     """Shard one file's rows; the largest `n` among them."""
     file_row, max_n = 0, 1
-    try:
-        for batch, lines in source.batches():
-            max_n = max(max_n, check_sampling_values(batch, source.path, file_row, lines))
-            writer.add(batch, ids.take(batch, source.path, file_row, lines))
-            file_row += batch.num_rows
-    except InputError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises many kinds for a damaged file
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"{source.path}: unreadable after row {file_row} ({first_line})") from exc
-    return max_n
+    batches = source.batches()
+    while True:
+        try:  # only reading can be the input's fault; writing shards (a full disk) is not
+            batch, lines = next(batches)
+        except StopIteration:
+            return max_n
+        except InputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - pyarrow raises many kinds for a damaged file
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise InputError(f"{source.path}: unreadable after row {file_row} ({first_line})") from exc
+        max_n = max(max_n, check_sampling_values(batch, source.path, file_row, lines))
+        writer.add(batch, ids.take(batch, source.path, file_row, lines))
+        file_row += batch.num_rows
 
 
 def _move_into_place(staging: Path, final: JobPaths, manifest: JobManifest) -> None:
-    final.root.mkdir(parents=True)
+    try:
+        final.root.mkdir(parents=True)
+    except FileExistsError:  # another submit or run with this --job-id won the race
+        raise InputError(f"--job-id: job {manifest.job_id!r} already exists under {final.root.parent} "
+                         "(another command created it a moment ago)") from None
     os.replace(staging / "shards", final.shards)
     write_manifest(manifest, final)
 

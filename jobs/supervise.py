@@ -3,7 +3,9 @@
 Both read only small files (manifests, lease states), never the DuckDB views, so `batchgen run`
 can poll them twice a second. Every worker runs `requeue_dead_shards` periodically, and so do
 `batchgen run` and `batchgen status`: a shard whose worker died mid-attempt (killed, OOM, machine
-lost) is published again once its lease is dead, whatever the broker did with its message.
+lost) is published again once its lease is dead, whatever the broker did with its message; and a
+shard that waited unclaimed longer than $BATCHGEN_REPUBLISH_AFTER_S while the broker holds no
+message for it (a flushed Redis, a lost broker file) is published again too.
 """
 
 from __future__ import annotations
@@ -171,7 +173,84 @@ def _requeue_job(manifest: JobManifest, store: Store, broker: BrokerSettings) ->
         requeued.append((manifest.job_id, shard_id))
     if done == len(manifest.shards):
         _FINISHED.add((manifest.data_dir, manifest.job_id))
-    return requeued
+        return requeued
+    return requeued + _republish_lost(manifest, store, broker, leases, claims)
+
+
+# ---------------------------------------------------------------- lost messages
+
+REPUBLISH_AFTER_ENV = "BATCHGEN_REPUBLISH_AFTER_S"
+DEFAULT_REPUBLISH_AFTER_S = 120.0
+WAITING_ENDS = ("handed_back", "superseded", "skipped")  # an attempt that ended so that a message is owed
+
+
+def republish_after_s() -> float:
+    """How long a shard may wait unclaimed before its message is looked for in the broker
+    ($BATCHGEN_REPUBLISH_AFTER_S, default 120 s)."""
+    raw = os.environ.get(REPUBLISH_AFTER_ENV) or str(DEFAULT_REPUBLISH_AFTER_S)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{REPUBLISH_AFTER_ENV} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{REPUBLISH_AFTER_ENV} must be > 0, got {raw!r}")
+    return value
+
+
+def waiting_since(manifest: JobManifest, leases: ShardLeases, shard_id: int,
+                  attempts: list[int]) -> float | None:
+    """When a shard began waiting for a worker with no live attempt (never claimed, handed back, or
+    re-queued after its worker died), or when its message was last re-published; None when it is
+    not waiting (running, retrying, committed, failed, cancelled)."""
+    view = leases.view(shard_id, attempts[-1]) if attempts else None
+    if view is None:
+        since = manifest.submitted_ts
+    elif view.state is not None and view.state.state in WAITING_ENDS:
+        since = view.state.heartbeat_ts
+    elif view.requeued and view.dead(time.time(), leases.ttl_s):
+        since = view.state.heartbeat_ts if view.state is not None else view.claimed_ts
+    else:
+        return None
+    return max(since, leases.last_republished(shard_id))
+
+
+def _republish_lost(manifest: JobManifest, store: Store, broker: BrokerSettings, leases: ShardLeases,
+                    claims: dict[int, list[int]]) -> list[tuple[str, int]]:
+    """Publish again each shard that has waited longer than republish_after_s() while the broker
+    holds no message for it (flushed, failed over). A duplicate is harmless: one claim runs at a
+    time and the first commit wins."""
+    from jobs.broker_messages import live_shard_messages
+
+    now, limit = time.time(), republish_after_s()
+    stale = {}
+    for info in manifest.shards:
+        since = waiting_since(manifest, leases, info.shard_id, claims.get(info.shard_id, []))
+        if since is not None and now - since > limit:
+            stale[info.shard_id] = since
+    if not stale:
+        return []
+    target = BrokerSettings(broker.url, broker.kind, manifest.queue, broker.shard_timeout_s)
+    live = live_shard_messages(target, held_within_s=limit)
+    if live is None:
+        return []  # the broker cannot be read without consuming (RabbitMQ): no guessing
+    return [(manifest.job_id, shard_id) for shard_id, since in sorted(stale.items())
+            if (manifest.job_id, shard_id) not in live
+            and _republish(manifest, store, target, leases, shard_id, since, claims.get(shard_id, []))]
+
+
+def _republish(manifest: JobManifest, store: Store, target: BrokerSettings, leases: ShardLeases,
+               shard_id: int, since: float, attempts: list[int]) -> bool:
+    from jobs.celery_app import publish_shard
+
+    if store.committed(manifest.job_id, shard_id) is not None:
+        return False
+    if not ShardLedger(manifest.data_dir, manifest.job_id, store, leases).take_republish(shard_id, since):
+        return False
+    log.warning("job %s shard %d: waiting %.0f s with no message in %s queue %r; re-publishing it",
+                manifest.job_id, shard_id, time.time() - since, target.display_url, target.queue)
+    publish_shard(target, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir,
+                  retries=retries_used(leases, shard_id, attempts))
+    return True
 
 
 def retries_used(leases: ShardLeases, shard_id: int, attempts: list[int]) -> int:

@@ -40,7 +40,7 @@ Public API:
 - maintenance: `compact`, `compact_job`, `compact_telemetry`, `collect_garbage` (`compact.py`).
 - layout: `DATA_DIR_ENV`, `DEFAULT_DATA_DIR`, `check_id`, `new_uid`, `write_atomic` (`layout.py`); schema
   constants `INTERNAL_PREFIX`, `OUTPUTS`, `LOGPROBS_TYPE` (`schemas.py`); worker heartbeats `WorkerRecord`,
-  `read_worker_records`, `write_worker_record` (`workers.py`).
+  `read_worker_records`, `write_worker_record`, `no_worker_warning` (`workers.py`).
 - `batchgen sql` (`cli.py`), `python -m jobs.store.bench` (`bench.py`), `python -m jobs.store.loadbench`
   (the dashboard under 50 concurrent clients while a job writes).
 
@@ -85,7 +85,7 @@ from jobs.store.sqlsandbox import (
     run_sandboxed,
 )
 from jobs.store.usersql import QueryResult, QueryTimeout, UserSqlError, run_query, run_user_query
-from jobs.store.workers import WorkerRecord, read_worker_records, write_worker_record
+from jobs.store.workers import WorkerRecord, no_worker_warning, read_worker_records, write_worker_record
 
 __all__ = [
     "DEFAULT_ADDRESS_SPACE_BYTES", "DEFAULT_MAX_CONCURRENT", "DEFAULT_MAX_RESULT_BYTES",
@@ -95,7 +95,7 @@ __all__ = [
     "README_EXAMPLES", "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout",
     "ShardAttempt", "ShardEvent", "Store", "StoreError", "SweepRecord", "TelemetryBuffer", "UserSqlError",
     "WorkerRecord", "check_id", "collect_garbage", "compact", "compact_job", "compact_telemetry", "connect",
-    "new_uid", "read_worker_records", "run_named", "run_query", "run_user_query", "write_atomic",
-    "write_catalog",
+    "new_uid", "no_worker_warning", "read_worker_records", "run_named", "run_query", "run_user_query",
+    "write_atomic", "write_catalog",
     "write_worker_record",
 ]

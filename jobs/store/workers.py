@@ -89,3 +89,18 @@ def read_worker_records(data_dir: str | os.PathLike) -> list[WorkerRecord]:
         except (OSError, ValueError, TypeError) as exc:
             log.warning("worker record %s is unreadable (%s); skipped", path, exc)
     return records
+
+
+def live_consumers(records: list[WorkerRecord], queue: str, broker: str, now: float) -> list[WorkerRecord]:
+    """The alive workers that consume `queue` on `broker` (its URL without password, or "embedded")."""
+    return [r for r in records if r.state(now) == "alive" and r.queue == queue and r.broker == broker]
+
+
+def no_worker_warning(queued_shards: int, queue: str, broker: str, records: list[WorkerRecord],
+                      now: float) -> str | None:
+    """The warning `batchgen status` and the dashboard show for a job whose shards wait while no
+    live worker consumes its queue; None when there is nothing to warn about."""
+    if queued_shards <= 0 or not queue or live_consumers(records, queue, broker, now):
+        return None
+    return (f"{queued_shards} shard(s) queued but no live worker consumes queue {queue!r} on {broker}: "
+            f"start one (batchgen worker --queue {queue}) or resume the run")

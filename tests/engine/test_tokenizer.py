@@ -140,7 +140,10 @@ def test_special_tokens_are_skipped_and_prompt_is_not_repeated():
 
 
 @settings(max_examples=60, deadline=None)
-@given(text=st.text(st.characters(exclude_characters="\ufffd"), max_size=40),
+# Surrogates (U+D800-U+DFFF) are excluded on purpose: they are not characters and have no UTF-8
+# encoding (`"\ud800".encode("utf-8")` raises), so no model output can contain one; U+FFFD is what
+# the detokenizer shows for an incomplete character, so it is excluded from the inputs as well.
+@given(text=st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\ufffd"), max_size=40),
        specials=st.lists(st.integers(0, 40), max_size=2))
 def test_concatenation_equals_full_decode(text, specials):
     tok = ByteTokenizer()

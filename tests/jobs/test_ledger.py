@@ -100,7 +100,8 @@ def test_cancel_is_written_once_for_workers_and_views(ledger):
 
 
 # the write primitives of the lease files and the store's shard lifecycle
-WRITES = {"record_shard_events", "request_cancel", "begin_attempt", "try_claim", "mark_requeued"}
+WRITES = {"record_shard_events", "request_cancel", "begin_attempt", "try_claim", "mark_requeued",
+          "mark_republished"}
 OWNERS = {"jobs/ledger.py", "jobs/leases.py"}
 
 

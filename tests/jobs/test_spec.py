@@ -121,7 +121,9 @@ def test_rows_that_cannot_run_get_an_error_and_overrides_apply():
     assert "max_tokens must be an integer >= 1" in bad_max.error
     bad_top_p = row_request({"prompt": "a", "top_p": 2.0}, defaults)
     assert "top_p must be a finite number in (0, 1]" in bad_top_p.error
-    chat = row_request({"messages": [{"role": "user", "content": "hi"}], "prompt": "ignored"}, defaults)
+    chat = row_request({"messages": [{"role": "user", "content": "hi"}], "prompt": None}, defaults)
     assert chat.prompt is None and chat.messages == [{"role": "user", "content": "hi"}]
+    both = row_request({"messages": [{"role": "user", "content": "hi"}], "prompt": "which?"}, defaults)
+    assert both.error == "both 'prompt' and 'messages' are set; give one of them"  # never dropped silently
     bad = row_request({"messages": [{"role": "user", "content": None}]}, defaults)
     assert "messages[0]" in bad.error
