@@ -17,9 +17,10 @@ import time
 
 from jobs.broker import BrokerSettings
 from jobs.leases import ShardLeases
+from jobs.ledger import ShardLedger
 from jobs.manifest import JobManifest, JobPaths, list_job_ids, load_manifest
 from jobs.spec import InputError, resolve_input_files
-from jobs.store import ShardEvent, Store
+from jobs.store import Store
 
 # engine settings that change what a job generates (the rest only change how fast)
 OUTPUT_ENGINE_FIELDS = ("model", "max_model_len", "dtype")
@@ -92,13 +93,9 @@ def resume_job(manifest: JobManifest, broker: BrokerSettings) -> list[int]:
     _check_idle(manifest, leases, claims)
     _purge(broker)
     pending = [s.shard_id for s in manifest.shards if store.committed(manifest.job_id, s.shard_id) is None]
-    now = time.time()
-    for shard_id in pending:
-        attempts = claims.get(shard_id, [0])
-        if attempts[-1]:
-            leases.mark_requeued(shard_id, attempts[-1])  # the janitor must not queue it a second time
-        store.record_shard_events([ShardEvent(manifest.job_id, shard_id, "queued", now,
-                                              attempt=attempts[-1] + 1, error="resumed by batchgen run")])
+    ledger = ShardLedger(manifest.data_dir, manifest.job_id, store, leases)
+    for shard_id in pending:  # marked re-queued: the janitor must not queue one a second time
+        ledger.queue(shard_id, "resumed by batchgen run", mark_latest=True)
         publish_shard(broker, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir)
     return pending
 

@@ -5,7 +5,8 @@
 0. hand the message back (requeue) when the worker is shutting down: it only finishes what it holds;
 1. skip when the shard is committed (tasks are idempotent), its job was cancelled, or a live attempt
    of it runs elsewhere (a duplicate delivery);
-2. claim the next attempt (jobs.leases) and open it in the store (`running` event);
+2. claim the next attempt and open it in the store (`running`), through the shard ledger
+   (jobs.ledger), which writes every transition of the shard's life; this module only orchestrates;
 3. read the shard file, turn rows into engine requests (bad rows become error rows at once; a text
    prompt goes through the model's chat template as `--apply-chat-template` says; a row with `n`
    samples becomes n requests, seeds derived so a seeded row gives the same samples again), hand
@@ -27,11 +28,11 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from engine.stats import RequestStats
-from jobs.leases import Lease, ShardLeases
-from jobs.manifest import REQUEST_ID_COLUMN, URL_COLUMN, JobManifest, JobPaths, load_manifest, read_shard
+from jobs.ledger import Claim, ShardLedger
+from jobs.manifest import REQUEST_ID_COLUMN, URL_COLUMN, JobManifest, load_manifest, read_shard
 from jobs.openai_batch import COMPLETIONS_URL, LOGPROB_FLOOR
 from jobs.spec import RowRequest, row_request
-from jobs.store import LOGPROBS_TYPE, ShardAttempt, ShardEvent, Store
+from jobs.store import LOGPROBS_TYPE, ShardAttempt
 
 if TYPE_CHECKING:
     from jobs.runtime import EngineRequest, ShardRun, WorkerRuntime
@@ -82,62 +83,54 @@ def process_shard(task: ShardTask, runtime: WorkerRuntime) -> ShardOutcome:
     if runtime.draining:
         return ShardOutcome("handed_back", reason="the worker is shutting down")
     manifest = load_manifest(task.data_dir, task.job_id)
-    paths = JobPaths.of(task.data_dir, task.job_id)
-    store = Store(task.data_dir)
-    skip = _skip_reason(store, paths, task)
+    ledger = ShardLedger(task.data_dir, task.job_id)
+    skip = _skip_reason(ledger, task)
     if skip:
         return ShardOutcome("skipped", reason=skip)
-    lease = ShardLeases(paths.leases).try_claim(task.shard_id, runtime.worker_id)
-    if lease is None:
+    rows = manifest.shard(task.shard_id).num_requests
+    claim = ledger.claim(task.shard_id, runtime.worker_id, num_requests=rows)
+    if claim is None:
         return ShardOutcome("skipped", reason="a live attempt of this shard runs elsewhere")
-    info = manifest.shard(task.shard_id)
-    attempt = store.begin_attempt(task.job_id, task.shard_id, lease.attempt, runtime.worker_id,
-                                  num_requests=info.num_requests, flush_interval_s=10.0)
     try:
-        with runtime.holding(task.job_id, lease, paths.cancel_marker):
-            return _run_attempt(task, manifest, runtime, lease, attempt)
+        with runtime.holding(task.job_id, claim.lease, ledger.paths.cancel_marker):
+            return _run_attempt(task, manifest, runtime, ledger, claim)
     except Exception as exc:  # noqa: BLE001 - any failure of an attempt is retried, then reported
-        log.warning("shard %s/%d attempt %d failed:\n%s", task.job_id, task.shard_id, lease.attempt,
+        log.warning("shard %s/%d attempt %d failed:\n%s", task.job_id, task.shard_id, claim.number,
                     traceback.format_exc())
-        return _failed(task, manifest, store, lease, attempt, _reason(exc))
+        return _failed(task, manifest, ledger, claim, _reason(exc))
 
 
-def _skip_reason(store: Store, paths: JobPaths, task: ShardTask) -> str | None:
-    if store.committed(task.job_id, task.shard_id) is not None:
+def _skip_reason(ledger: ShardLedger, task: ShardTask) -> str | None:
+    if ledger.store.committed(task.job_id, task.shard_id) is not None:
         return "already committed"
-    if paths.cancel_marker.exists():
-        _record_cancelled(store, task)
+    if ledger.cancelled:
+        ledger.skip_cancelled(task.shard_id)
         return "job cancelled"
     return None
 
 
-def _record_cancelled(store: Store, task: ShardTask) -> None:
-    store.record_shard_events([ShardEvent(task.job_id, task.shard_id, "cancelled", time.time(),
-                                          error="job cancelled before this shard ran")])
-
-
-def _run_attempt(task: ShardTask, manifest: JobManifest, runtime: WorkerRuntime, lease: Lease,
-                 attempt: ShardAttempt) -> ShardOutcome:
+def _run_attempt(task: ShardTask, manifest: JobManifest, runtime: WorkerRuntime, ledger: ShardLedger,
+                 claim: Claim) -> ShardOutcome:
     runtime.check_model(manifest)
     info = manifest.shard(task.shard_id)
     table = read_shard(task.shard_path or info.path, info.num_requests)
     rows = table.to_pylist()
-    key = f"{task.job_id}:{task.shard_id}:{lease.attempt}"
+    key = f"{task.job_id}:{task.shard_id}:{claim.number}"
     plan = plan_requests(rows, manifest, key, runtime.has_chat_template)
     run = runtime.run_shard(task.job_id, key, plan.requests)
-    if lease.superseded():
-        attempt.fail("superseded: a newer attempt was started while this one was presumed dead")
-        lease.end("superseded")
-        return ShardOutcome("skipped", lease.attempt, reason="superseded by a newer attempt")
+    if claim.superseded():
+        ledger.step_aside(claim)
+        return ShardOutcome("skipped", claim.number, reason="superseded by a newer attempt")
     if run.handed_back:
-        return _hand_back(task, Store(task.data_dir), lease, attempt)
+        reason = "handed back: the worker was interrupted"
+        ledger.hand_back(claim, reason)  # no retry used; the message goes back to the broker
+        return ShardOutcome("handed_back", claim.number, reason=reason)
     if run.error:
         raise RuntimeError(run.error)
-    _write_rows(attempt, rows, run, plan, manifest.extra_columns, table.schema, runtime)
-    record = attempt.commit()
-    lease.end("committed", rows_done=record.num_outputs, output_tokens=record.output_tokens)
+    _write_rows(claim.attempt, rows, run, plan, manifest.extra_columns, table.schema, runtime)
+    record = ledger.commit(claim)
     result = "cancelled" if run.cancelled else "committed"
-    return ShardOutcome(result, lease.attempt, record.num_outputs, record.output_tokens)
+    return ShardOutcome(result, claim.number, record.num_outputs, record.output_tokens)
 
 
 @dataclass
@@ -264,39 +257,15 @@ class TokenTexts:
         return found
 
 
-def _hand_back(task: ShardTask, store: Store, lease: Lease, attempt: ShardAttempt) -> ShardOutcome:
-    """The worker was interrupted: the attempt ends without its rows, the shard is queued again (no
-    retry used) and the message goes back to the broker."""
-    reason = "handed back: the worker was interrupted"
-    _close(attempt, reason, cancel=True)
-    lease.end("handed_back", reason)
-    store.record_shard_events([ShardEvent(task.job_id, task.shard_id, "queued", time.time(),
-                                          attempt=lease.attempt + 1, error=reason)])
-    return ShardOutcome("handed_back", lease.attempt, reason=reason)
-
-
-def _failed(task: ShardTask, manifest: JobManifest, store: Store, lease: Lease, attempt: ShardAttempt,
+def _failed(task: ShardTask, manifest: JobManifest, ledger: ShardLedger, claim: Claim,
             reason: str) -> ShardOutcome:
     if task.retries < manifest.max_retries:
         delay = backoff_s(manifest.retry_backoff_s, task.retries)
-        _close(attempt, reason)
-        lease.end("retrying", reason, retry_at=time.time() + delay)
-        store.record_shard_events([ShardEvent(task.job_id, task.shard_id, "queued", time.time(),
-                                              attempt=lease.attempt + 1, error=f"retry after: {reason}")])
-        return ShardOutcome("retry", lease.attempt, reason=reason, retry_in_s=delay)
+        ledger.retry(claim, reason, delay)
+        return ShardOutcome("retry", claim.number, reason=reason, retry_in_s=delay)
     final = f"{reason} (gave up after {task.retries + 1} tries)"
-    _close(attempt, final)
-    lease.end("failed", final)
-    return ShardOutcome("failed", lease.attempt, reason=final)
-
-
-def _close(attempt: ShardAttempt, reason: str, cancel: bool = False) -> None:
-    if attempt.closed:
-        return
-    if cancel:
-        attempt.cancel(reason)
-    else:
-        attempt.fail(reason)
+    ledger.fail(claim, final)
+    return ShardOutcome("failed", claim.number, reason=final)
 
 
 def _reason(exc: BaseException) -> str:

@@ -11,9 +11,9 @@ import json
 import time
 
 from jobs.broker import BrokerSettings
-from jobs.leases import ShardLeases
-from jobs.manifest import JobManifest, JobPaths, load_manifest
-from jobs.store import ShardEvent, Store, connect, no_worker_warning, read_worker_records
+from jobs.ledger import ShardLedger
+from jobs.manifest import JobManifest, load_manifest
+from jobs.store import connect, no_worker_warning, read_worker_records
 from jobs.supervise import job_progress
 
 # per request (its n samples together): failed if a sample erred, else cancelled if one was cancelled
@@ -177,12 +177,7 @@ def cancel_job(manifest: JobManifest, reason: str) -> bool:
     The cancel marker is what workers act on; the store's cancel request is what the views show.
     False (and nothing written) when the job was cancelled already.
     """
-    paths = JobPaths.of(manifest.data_dir, manifest.job_id)
-    if paths.cancel_marker.exists():
-        return False
-    paths.cancel_marker.write_text(reason + "\n")
-    Store(manifest.data_dir).request_cancel(manifest.job_id, reason)
-    return True
+    return ShardLedger(manifest.data_dir, manifest.job_id).cancel_job(reason)
 
 
 
@@ -190,8 +185,8 @@ def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[i
     """Publish again the shards that failed for good, with a fresh retry budget; their ids."""
     from jobs.celery_app import publish_shard
 
-    paths = JobPaths.of(manifest.data_dir, manifest.job_id)
-    if paths.cancel_marker.exists():
+    ledger = ShardLedger(manifest.data_dir, manifest.job_id)
+    if ledger.cancelled:
         raise ValueError(f"job {manifest.job_id} was cancelled; its shards are not retried")
     con = connect(manifest.data_dir)
     try:
@@ -200,12 +195,8 @@ def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[i
             [manifest.job_id])]
     finally:
         con.close()
-    claims = ShardLeases(paths.leases).claimed_attempts()
-    store = Store(manifest.data_dir)
     for shard_id in failed:
-        next_attempt = (claims.get(shard_id) or [0])[-1] + 1
-        store.record_shard_events([ShardEvent(manifest.job_id, shard_id, "queued", time.time(),
-                                              attempt=next_attempt, error="retry requested")])
+        ledger.queue(shard_id, "retry requested")
         publish_shard(broker, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir)
     return failed
 
@@ -220,8 +211,9 @@ def retry_stuck_shards(manifest: JobManifest, broker: BrokerSettings,
     from jobs.celery_app import publish_shard
     from jobs.supervise import retries_used, waiting_since
 
-    leases = ShardLeases(JobPaths.of(manifest.data_dir, manifest.job_id).leases)
-    claims, store = leases.claimed_attempts(), Store(manifest.data_dir)
+    ledger = ShardLedger(manifest.data_dir, manifest.job_id)
+    leases, store = ledger.leases, ledger.store
+    claims = leases.claimed_attempts()
     live = live_shard_messages(broker, held_within_s=leases.ttl_s) or set()  # held longer: no one runs it
     stuck = []
     for info in manifest.shards:
@@ -231,7 +223,7 @@ def retry_stuck_shards(manifest: JobManifest, broker: BrokerSettings,
             continue
         if store.committed(manifest.job_id, info.shard_id) is not None:
             continue
-        leases.mark_republished(info.shard_id, time.time())
+        ledger.take_lost(info.shard_id, time.time())
         publish_shard(broker, manifest.job_id, info.shard_id, info.path, manifest.data_dir,
                       retries=retries_used(leases, info.shard_id, attempts))
         stuck.append(info.shard_id)

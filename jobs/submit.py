@@ -20,6 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from jobs.broker import BrokerSettings, shard_timeout_s
+from jobs.ledger import ShardLedger
 from jobs.manifest import JobManifest, JobPaths, ShardWriter, jobs_root, new_job_id, write_manifest
 from jobs.spec import (
     CHAT_TEMPLATE_MODES,
@@ -34,7 +35,7 @@ from jobs.spec import (
     resolve_input_files,
     sampling_defaults,
 )
-from jobs.store import JobRecord, ShardEvent, Store, StoreError, check_id, new_uid
+from jobs.store import JobRecord, Store, StoreError, check_id, new_uid
 
 READ_BATCH_ROWS = 4096
 
@@ -230,9 +231,8 @@ def publish_job(manifest: JobManifest, broker: BrokerSettings) -> None:
     store.record_job(JobRecord(manifest.job_id, manifest.model, manifest.num_requests, len(manifest.shards),
                                manifest.submitted_ts, config=job_config_json(manifest),
                                output_path=manifest.output_path))
-    now = time.time()
-    store.record_shard_events([ShardEvent(manifest.job_id, s.shard_id, "queued", now,
-                                          num_requests=s.num_requests) for s in manifest.shards])
+    ShardLedger(manifest.data_dir, manifest.job_id, store).queue_new(
+        (s.shard_id, s.num_requests) for s in manifest.shards)
     for shard in manifest.shards:
         publish_shard(broker, manifest.job_id, shard.shard_id, shard.path, manifest.data_dir)
 

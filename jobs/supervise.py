@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.broker import BrokerSettings
-from jobs.leases import AttemptView, Lease, LeaseState, ShardLeases
+from jobs.leases import AttemptView, ShardLeases
+from jobs.ledger import ShardLedger
 from jobs.manifest import JobManifest, JobPaths, list_job_ids, load_manifest
-from jobs.store import ShardEvent, Store
+from jobs.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +143,10 @@ _FINISHED: set[tuple[str, str]] = set()
 def _requeue_job(manifest: JobManifest, store: Store, broker: BrokerSettings) -> list[tuple[str, int]]:
     from jobs.celery_app import publish_shard
 
-    paths = JobPaths.of(manifest.data_dir, manifest.job_id)
-    if paths.cancel_marker.exists():
+    ledger = ShardLedger(manifest.data_dir, manifest.job_id, store)
+    if ledger.cancelled:
         return []
-    leases = ShardLeases(paths.leases)
+    leases = ledger.leases
     claims = leases.claimed_attempts()
     now, done, requeued = time.time(), 0, []
     for shard_id, attempts in claims.items():
@@ -157,17 +158,15 @@ def _requeue_job(manifest: JobManifest, store: Store, broker: BrokerSettings) ->
             continue
         if store.committed(manifest.job_id, shard_id) is not None:
             continue
-        if not leases.mark_requeued(shard_id, view.attempt):
+        if not ledger.take_dead(view):
             continue
         retries = retries_used(leases, shard_id, attempts)
         if retries > manifest.max_retries:  # it keeps killing its workers (out of memory, say)
-            _give_up_on(manifest, store, leases, view, retries)
+            _give_up_on(manifest, ledger, view, retries)
             continue
         log.warning("job %s shard %d: attempt %d is dead; re-queueing it", manifest.job_id, shard_id,
                     view.attempt)
-        store.record_shard_events([ShardEvent(manifest.job_id, shard_id, "queued", time.time(),
-                                              attempt=view.attempt + 1,
-                                              error=f"re-queued: attempt {view.attempt} died")])
+        ledger.queue(shard_id, f"re-queued: attempt {view.attempt} died")
         target = BrokerSettings(broker.url, broker.kind, manifest.queue, broker.shard_timeout_s)
         publish_shard(target, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir,
                       retries=retries)
@@ -175,7 +174,7 @@ def _requeue_job(manifest: JobManifest, store: Store, broker: BrokerSettings) ->
     if done == len(manifest.shards):
         _FINISHED.add((manifest.data_dir, manifest.job_id))
         return requeued
-    return requeued + _republish_lost(manifest, store, broker, leases, claims)
+    return requeued + _republish_lost(manifest, ledger, broker, claims)
 
 
 # ---------------------------------------------------------------- lost messages
@@ -215,7 +214,7 @@ def waiting_since(manifest: JobManifest, leases: ShardLeases, shard_id: int,
     return max(since, leases.last_republished(shard_id))
 
 
-def _republish_lost(manifest: JobManifest, store: Store, broker: BrokerSettings, leases: ShardLeases,
+def _republish_lost(manifest: JobManifest, ledger: ShardLedger, broker: BrokerSettings,
                     claims: dict[int, list[int]]) -> list[tuple[str, int]]:
     """Publish again each shard that has waited longer than republish_after_s() while the broker
     holds no message for it (flushed, failed over). A duplicate is harmless: one claim runs at a
@@ -225,7 +224,7 @@ def _republish_lost(manifest: JobManifest, store: Store, broker: BrokerSettings,
     now, limit = time.time(), republish_after_s()
     stale = {}
     for info in manifest.shards:
-        since = waiting_since(manifest, leases, info.shard_id, claims.get(info.shard_id, []))
+        since = waiting_since(manifest, ledger.leases, info.shard_id, claims.get(info.shard_id, []))
         if since is not None and now - since > limit:
             stale[info.shard_id] = since
     if not stale:
@@ -236,19 +235,19 @@ def _republish_lost(manifest: JobManifest, store: Store, broker: BrokerSettings,
         return []  # the broker cannot be read without consuming (RabbitMQ): no guessing
     return [(manifest.job_id, shard_id) for shard_id, since in sorted(stale.items())
             if (manifest.job_id, shard_id) not in live
-            and _republish(manifest, store, target, leases, shard_id, since, claims.get(shard_id, []))]
+            and _republish(manifest, ledger, target, shard_id, since, claims.get(shard_id, []))]
 
 
-def _republish(manifest: JobManifest, store: Store, target: BrokerSettings, leases: ShardLeases,
-               shard_id: int, since: float, attempts: list[int]) -> bool:
+def _republish(manifest: JobManifest, ledger: ShardLedger, target: BrokerSettings, shard_id: int,
+               since: float, attempts: list[int]) -> bool:
     from jobs.celery_app import publish_shard
 
-    if store.committed(manifest.job_id, shard_id) is not None or not leases.mark_republished(shard_id, since):
+    if ledger.store.committed(manifest.job_id, shard_id) is not None or not ledger.take_lost(shard_id, since):
         return False
     log.warning("job %s shard %d: waiting %.0f s with no message in %s queue %r; re-publishing it",
                 manifest.job_id, shard_id, time.time() - since, target.display_url, target.queue)
     publish_shard(target, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir,
-                  retries=retries_used(leases, shard_id, attempts))
+                  retries=retries_used(ledger.leases, shard_id, attempts))
     return True
 
 
@@ -268,41 +267,30 @@ def retries_used(leases: ShardLeases, shard_id: int, attempts: list[int]) -> int
     return used
 
 
-def _give_up_on(manifest: JobManifest, store: Store, leases: ShardLeases, view: AttemptView,
-                retries: int) -> None:
+def _give_up_on(manifest: JobManifest, ledger: ShardLedger, view: AttemptView, retries: int) -> None:
     """Fail a shard for good whose workers died more often than the job's max_retries allows."""
     worker = view.state.worker_id if view.state is not None else "unknown"
     note = (f"worker died running attempt {view.attempt} ({worker}); gave up after {retries} re-queues "
             f"and retries (max_retries {manifest.max_retries})")
     log.error("job %s shard %d: %s", manifest.job_id, view.shard_id, note)
-    _end_for(leases, view, "failed", note)
-    store.record_shard_events([ShardEvent(manifest.job_id, view.shard_id, "failed", time.time(),
-                                          attempt=view.attempt, worker_id=worker, error=note)])
-
-
-def _end_for(leases: ShardLeases, view: AttemptView, state: str, note: str) -> None:
-    """End an attempt whose worker is gone, on its behalf."""
-    worker = view.state.worker_id if view.state is not None else "unknown"
-    lease = view.state or LeaseState(worker, "", 0, view.attempt, "running", view.claimed_ts, view.claimed_ts)
-    Lease(leases, view.shard_id, lease).end(state, note)
+    ledger.give_up_dead(view, note)
 
 
 def hand_back_dead_attempts(manifest: JobManifest, store: Store) -> list[int]:
     """End a job's dead attempts as handed back (their workers were stopped at an interrupt before
     they could) and record their shards queued; the shard ids. No retry is used: the next run of the
     job queues them again (jobs.resume), and nothing else re-queues an attempt marked here."""
-    leases = ShardLeases(JobPaths.of(manifest.data_dir, manifest.job_id).leases)
+    ledger = ShardLedger(manifest.data_dir, manifest.job_id, store)
+    leases = ledger.leases
     now, handed = time.time(), []
     note = "handed back: its worker was stopped at an interrupt"
     for shard_id, attempts in sorted(leases.claimed_attempts().items()):
         view = leases.view(shard_id, attempts[-1])
         if not view.dead(now, leases.ttl_s) or store.committed(manifest.job_id, shard_id) is not None:
             continue
-        if not leases.mark_requeued(shard_id, view.attempt):
+        if not ledger.take_dead(view):
             continue
-        _end_for(leases, view, "handed_back", note)
-        store.record_shard_events([ShardEvent(manifest.job_id, shard_id, "queued", now,
-                                              attempt=view.attempt + 1, error=note)])
+        ledger.hand_back_dead(view, note)
         handed.append(shard_id)
     return handed
 

@@ -1,0 +1,181 @@
+"""The shard ledger: the one write path of a shard's lifecycle.
+
+A shard's life is written in two places that must agree: the job's lease files (jobs.leases: who
+runs which attempt now, is it alive; read by workers, `batchgen run` and the janitor) and the
+store's shard events (jobs.store: what the `shards` and `jobs` views show). Every transition goes
+through one method here, which writes both, always in the same order:
+
+    queue      submitted, retried, re-queued after a dead worker, resumed       -> event `queued`
+    take_lost  a waiting shard's lost message is published again (still `queued`)
+    claim      a delivery takes the next attempt (O_EXCL claim, then `running`)
+    heartbeat  the claimant's lease, with progress (`Claim.heartbeat`)
+    commit     the attempt's rows count (first commit wins), the lease ends `committed`
+    retry      the attempt failed, another is queued after a backoff             -> `failed`, `queued`
+    fail       the attempt failed and no retry is left                           -> `failed`
+    hand_back  the worker was interrupted: no retry used, the shard is queued again
+    step_aside a newer attempt exists (this one was presumed dead): no commit
+    cancel     the job (marker for workers + request for the views), or a shard skipped for it
+
+Orchestration (when to retry, which shard is dead, who publishes a message) stays with the callers
+(jobs.shard_runner, jobs.supervise, jobs.status, jobs.resume, jobs.submit); none of them writes a
+lease state or a shard event by itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobs.leases import AttemptView, Lease, LeaseState, ShardLeases
+from jobs.manifest import JobPaths
+from jobs.store import CommitRecord, ShardAttempt, ShardEvent, Store
+
+
+@dataclass
+class Claim:
+    """One attempt of one shard held by this process: its lease and its open store attempt."""
+
+    lease: Lease
+    attempt: ShardAttempt
+
+    @property
+    def number(self) -> int:
+        return self.lease.attempt
+
+    def heartbeat(self, rows_done: int | None = None, output_tokens: int | None = None) -> None:
+        self.lease.heartbeat(rows_done, output_tokens)
+
+    def superseded(self) -> bool:
+        return self.lease.superseded()
+
+
+class ShardLedger:
+    """The lifecycle of one job's shards (see the module docstring)."""
+
+    def __init__(self, data_dir: str | Path, job_id: str, store: Store | None = None,
+                 leases: ShardLeases | None = None) -> None:
+        self.job_id = job_id
+        self.paths = JobPaths.of(data_dir, job_id)
+        self.store = store or Store(data_dir)
+        self.leases = leases or ShardLeases(self.paths.leases)
+
+    # -- reading
+    @property
+    def cancelled(self) -> bool:
+        return self.paths.cancel_marker.exists()
+
+    def next_attempt(self, shard_id: int) -> int:
+        return (self.leases.claimed_attempts().get(shard_id) or [0])[-1] + 1
+
+    # -- queue
+    def queue_new(self, shards: Iterable[tuple[int, int]]) -> None:
+        """A new job's shards, as (shard id, rows): queued for their first attempt."""
+        now = time.time()
+        self._events([ShardEvent(self.job_id, shard_id, "queued", now, num_requests=rows)
+                      for shard_id, rows in shards])
+
+    def queue(self, shard_id: int, reason: str, *, mark_latest: bool = False) -> None:
+        """Queue a shard's next attempt (a retry, a resume, a dead attempt re-queued). `mark_latest`
+        marks its latest attempt re-queued first, so the janitor does not queue it a second time."""
+        attempts = self.leases.claimed_attempts().get(shard_id, [])
+        if mark_latest and attempts:
+            self.leases.mark_requeued(shard_id, attempts[-1])
+        self._queued_after(shard_id, attempts[-1] if attempts else 0, reason)
+
+    def take_dead(self, view: AttemptView) -> bool:
+        """True for exactly one caller per dead attempt: the one that re-queues it or gives up on it."""
+        return self.leases.mark_requeued(view.shard_id, view.attempt)
+
+    def take_lost(self, shard_id: int, waiting_since: float) -> bool:
+        """True for exactly one caller per shard waiting since `waiting_since` whose message the broker
+        lost: the one that publishes it again (the shard stays queued: no event)."""
+        return self.leases.mark_republished(shard_id, waiting_since)
+
+    # -- claim
+    def claim(self, shard_id: int, worker_id: str, *, num_requests: int,
+              flush_interval_s: float = 10.0) -> Claim | None:
+        """The next attempt of a shard for this worker (`running`), or None while a live one runs."""
+        lease = self.leases.try_claim(shard_id, worker_id)
+        if lease is None:
+            return None
+        attempt = self.store.begin_attempt(self.job_id, shard_id, lease.attempt, worker_id,
+                                           num_requests=num_requests, flush_interval_s=flush_interval_s)
+        return Claim(lease, attempt)
+
+    # -- ends of an attempt held here
+    def commit(self, claim: Claim) -> CommitRecord:
+        record = claim.attempt.commit()
+        claim.lease.end("committed", rows_done=record.num_outputs, output_tokens=record.output_tokens)
+        return record
+
+    def step_aside(self, claim: Claim) -> None:
+        claim.attempt.fail("superseded: a newer attempt was started while this one was presumed dead")
+        claim.lease.end("superseded")
+
+    def retry(self, claim: Claim, reason: str, delay_s: float) -> None:
+        self._close(claim, reason)
+        claim.lease.end("retrying", reason, retry_at=time.time() + delay_s)
+        self._queued_after(claim.lease.shard_id, claim.number, f"retry after: {reason}")
+
+    def fail(self, claim: Claim, reason: str) -> None:
+        self._close(claim, reason)
+        claim.lease.end("failed", reason)
+
+    def hand_back(self, claim: Claim, reason: str) -> None:
+        self._close(claim, reason, cancel=True)
+        claim.lease.end("handed_back", reason)
+        self._queued_after(claim.lease.shard_id, claim.number, reason)
+
+    # -- ends of an attempt whose worker is gone, written on its behalf
+    def give_up_dead(self, view: AttemptView, note: str) -> None:
+        """A dead attempt's (taken with `take_dead`) shard fails for good: its workers keep dying."""
+        worker = self._end_for(view, "failed", note)
+        self._events([ShardEvent(self.job_id, view.shard_id, "failed", time.time(), attempt=view.attempt,
+                                 worker_id=worker, error=note)])
+
+    def hand_back_dead(self, view: AttemptView, note: str) -> None:
+        """A dead attempt (taken with `take_dead`) ends handed back; its shard is queued, no retry used."""
+        self._end_for(view, "handed_back", note)
+        self._queued_after(view.shard_id, view.attempt, note)
+
+    # -- cancel
+    def cancel_job(self, reason: str) -> bool:
+        """Cancel the job: the marker is what workers act on, the store's request what the views show.
+        False (and nothing written) when it was cancelled already."""
+        if self.cancelled:
+            return False
+        self.paths.cancel_marker.write_text(reason + "\n")
+        self.store.request_cancel(self.job_id, reason)
+        return True
+
+    def skip_cancelled(self, shard_id: int) -> None:
+        """A delivery of a cancelled job's shard: the shard ends cancelled without an attempt."""
+        self._events([ShardEvent(self.job_id, shard_id, "cancelled", time.time(),
+                                 error="job cancelled before this shard ran")])
+
+    # -- internals
+    def _events(self, events: list[ShardEvent]) -> None:
+        if events:
+            self.store.record_shard_events(events)
+
+    def _queued_after(self, shard_id: int, attempt: int, reason: str) -> None:
+        self._events([ShardEvent(self.job_id, shard_id, "queued", time.time(), attempt=attempt + 1,
+                                 error=reason)])
+
+    @staticmethod
+    def _close(claim: Claim, reason: str, cancel: bool = False) -> None:
+        if claim.attempt.closed:
+            return
+        if cancel:
+            claim.attempt.cancel(reason)
+        else:
+            claim.attempt.fail(reason)
+
+    def _end_for(self, view: AttemptView, state: str, note: str) -> str:
+        worker = view.state.worker_id if view.state is not None else "unknown"
+        lease = view.state or LeaseState(worker, "", 0, view.attempt, "running", view.claimed_ts,
+                                         view.claimed_ts)
+        Lease(self.leases, view.shard_id, lease).end(state, note)
+        return worker
