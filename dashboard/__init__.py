@@ -17,7 +17,14 @@ from werkzeug.exceptions import HTTPException
 
 from dashboard.formatting import register_filters
 from dashboard.jsonout import DashboardJSONProvider
-from jobs.store import QueryTimeout, UserSqlError
+from jobs.store import (
+    DEFAULT_ADDRESS_SPACE_BYTES,
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_RESULT_BYTES,
+    DEFAULT_MEMORY_LIMIT,
+    QueryTimeout,
+    UserSqlError,
+)
 
 DATA_DIR_ENV = "BATCHGEN_DATA_DIR"
 TOKEN_ENV = "BATCHGEN_DASHBOARD_TOKEN"
@@ -26,10 +33,15 @@ TOKEN_ENV = "BATCHGEN_DASHBOARD_TOKEN"
 DEFAULT_CONFIG = {
     "DATA_DIR": "./data",
     "TOKEN": None,  # when set, every request must carry it (see dashboard.auth)
+    "ALLOWED_HOSTS": (),  # Host names served besides the loopback ones and BATCHGEN_DASHBOARD_ALLOWED_HOSTS
     "SQL_ROW_CAP": 10_000,  # rows a user query returns at most (the rest are cut, and it says so)
     "SQL_TIMEOUT_S": 10.0,  # a user query is interrupted after this long
-    "SQL_MEMORY_LIMIT": "1GB",  # DuckDB memory_limit of the user SQL connection
+    "SQL_MEMORY_LIMIT": DEFAULT_MEMORY_LIMIT,  # DuckDB memory_limit of the user SQL connection
+    "SQL_ADDRESS_SPACE_BYTES": DEFAULT_ADDRESS_SPACE_BYTES,  # RLIMIT_AS of a user query's process
+    "SQL_MAX_RESULT_BYTES": DEFAULT_MAX_RESULT_BYTES,  # a bigger user query result is refused
+    "SQL_MAX_CONCURRENT": DEFAULT_MAX_CONCURRENT,  # user queries at once (per data dir); beyond: 429
     "PAGE_QUERY_TIMEOUT_S": 30.0,  # the dashboard's own queries are interrupted after this long
+    "PAGE_CACHE_ENTRIES": 256,  # query results kept while the store's files are unchanged (0: none)
     "MAX_POINTS": 2000,  # iteration series longer than this are bucketed on the server
     "REFRESH_S": 5,  # live pages poll this often while a job is queued or running
     "OUTPUT_SAMPLE_ROWS": 20,  # output rows shown on a job page

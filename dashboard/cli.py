@@ -2,7 +2,9 @@
 
 Binds 127.0.0.1 by default. Any other host exposes the outputs and a SQL box to the network, so
 the command refuses to start there unless BATCHGEN_DASHBOARD_TOKEN is set; every request must
-then carry that token (see `dashboard.auth`).
+then carry that token (see `dashboard.auth`). Requests whose `Host` header names neither a loopback
+name, `--host` nor one of BATCHGEN_DASHBOARD_ALLOWED_HOSTS are refused (DNS rebinding), and so are
+cross-origin POSTs.
 
 Served by waitress, a production WSGI server (pure Python, a pool of threads; the page queries run
 in DuckDB, which releases the GIL). `--dev` serves with werkzeug's development server and its
@@ -46,7 +48,8 @@ def check_bind(host: str, token: str | None) -> None:
 @click.option("--data-dir", envvar="BATCHGEN_DATA_DIR", default="./data", show_default=True,
               type=click.Path(file_okay=False), help="Data dir to read (env BATCHGEN_DATA_DIR).")
 @click.option("--host", default=DEFAULT_HOST, show_default=True,
-              help="Address to bind; a non-loopback one needs BATCHGEN_DASHBOARD_TOKEN.")
+              help="Address to bind; a non-loopback one needs BATCHGEN_DASHBOARD_TOKEN. Requests must name "
+                   "it, a loopback name or one of BATCHGEN_DASHBOARD_ALLOWED_HOSTS in their Host header.")
 @click.option("--port", default=DEFAULT_PORT, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--sql-timeout", default=10.0, show_default=True, type=click.FloatRange(0.1, 3600),
               help="Seconds a query on the SQL page may run before it is interrupted.")
@@ -54,17 +57,20 @@ def check_bind(host: str, token: str | None) -> None:
               help="Rows a query on the SQL page returns at most.")
 @click.option("--threads", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Requests served at once (waitress's thread pool).")
+@click.option("--page-cache-entries", default=256, show_default=True, type=click.IntRange(0, 100_000),
+              help="Page query results kept while the store's files are unchanged (0: no cache).")
 @click.option("--dev", is_flag=True,
               help="Serve with werkzeug's reloader instead of waitress (development only).")
 def dashboard(data_dir: str, host: str, port: int, sql_timeout: float, sql_row_cap: int, threads: int,
-              dev: bool) -> None:
+              page_cache_entries: int, dev: bool) -> None:
     """Serve the monitoring dashboard (jobs, workers, sweeps, SQL, /metrics) over DATA_DIR."""
     from dashboard import create_app
 
     token = os.environ.get("BATCHGEN_DASHBOARD_TOKEN") or None
     check_bind(host, token)
     app = create_app({"DATA_DIR": data_dir, "TOKEN": token, "SQL_TIMEOUT_S": sql_timeout,
-                      "SQL_ROW_CAP": sql_row_cap})
+                      "SQL_ROW_CAP": sql_row_cap, "ALLOWED_HOSTS": [host],
+                      "PAGE_CACHE_ENTRIES": page_cache_entries})
     if dev:
         _serve_dev(app, host, port, data_dir, token)
     else:

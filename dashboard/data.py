@@ -187,7 +187,7 @@ _STATE_ORDER = {"running": 0, "idle": 1, "gone": 2}
 def worker_summaries() -> list[WorkerSummary]:
     """Every worker, live ones first, then the gone ones; each group by last sign of life."""
     now = time.time()
-    rows = fetch_dicts(queries.WORKERS, {"now": now, "window_s": RECENT_WINDOW_S})
+    rows = fetch_dicts(queries.WORKERS, {"now": now, "window_s": RECENT_WINDOW_S}, cache=False)
     telemetry = {r["worker_id"]: r for r in rows}
     records = {r.worker_id: r for r in read_worker_records(current_app.config["DATA_DIR"])}
     running = fetch_dicts(queries.WORKER_SHARDS)

@@ -5,11 +5,12 @@
                          "elapsed_s"}, or HTTP 400 {"error": "..."} for a refused or failed query
     POST /api/sql.csv    the same query (form field or JSON "sql") as a CSV attachment; 400 with the error
 
-Each query gets a fresh connection from `jobs.store.connect(..., read_only_user_sql=True)`: file
-access outside the store's tables off, extension autoload/autoinstall off, a memory limit, the
-configuration locked. `jobs.store.usersql.run_user_query` refuses anything but one SELECT and any
-file-reading function, interrupts the query at the time limit and caps the rows. Whatever goes
-wrong comes back as a 400 with a message, never a 500.
+Each query runs in a process of its own (`jobs.store.sqlsandbox.run_sandboxed`): a capped address
+space, a hardened connection (`jobs.store.connect(..., read_only_user_sql=True)`: file access
+outside the store's tables off, extension autoload/autoinstall off, DuckDB's memory limit, the
+configuration locked), one SELECT only, killed at the time limit, rows and result bytes capped.
+The server's own memory never holds more than the capped result. Whatever goes wrong comes back as
+a 400 with a message, never a 500; a query beyond the cap on concurrent queries gets a 429.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ import duckdb
 from flask import Blueprint, Response, current_app, jsonify, render_template, request
 
 from dashboard.jsonout import plain_value
-from jobs.store import README_EXAMPLES, QueryResult, StoreError, UserSqlError, connect, run_user_query
+from jobs.store import (
+    README_EXAMPLES,
+    QueryBusy,
+    QueryResult,
+    SqlLimits,
+    StoreError,
+    UserSqlError,
+    connect,
+    run_sandboxed,
+)
 
 bp = Blueprint("sql", __name__)
 
@@ -46,6 +56,10 @@ EXAMPLES: list[tuple[str, str]] = [
 class RefusedQuery(Exception):
     """A user query that will not run or did not finish; its message is shown as it is."""
 
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status  # 400, or 429 when too many queries run already
+
 
 @bp.get("/sql")
 def sql_page():
@@ -58,7 +72,7 @@ def api_sql():
     try:
         result = run_user_sql(_sql_from_request())
     except RefusedQuery as exc:
-        return jsonify(error=str(exc)), 400
+        return jsonify(error=str(exc)), exc.status
     rows = [[plain_value(v) for v in row] for row in result.rows]
     return jsonify(columns=result.columns, rows=rows, truncated=result.truncated,
                    row_cap=current_app.config["SQL_ROW_CAP"], elapsed_s=result.elapsed_s)
@@ -69,7 +83,7 @@ def api_sql_csv():
     try:
         result = run_user_sql(_sql_from_request())
     except RefusedQuery as exc:
-        return Response(f"error: {exc}\n", status=400, mimetype="text/plain")
+        return Response(f"error: {exc}\n", status=exc.status, mimetype="text/plain")
     return Response(_csv_lines(result), mimetype="text/csv",
                     headers={"Content-Disposition": "attachment; filename=query.csv"})
 
@@ -80,19 +94,22 @@ def user_connection() -> duckdb.DuckDBPyConnection:
     return connect(cfg["DATA_DIR"], read_only_user_sql=True, memory_limit=cfg["SQL_MEMORY_LIMIT"])
 
 
-def run_user_sql(sql: str) -> QueryResult:
-    """Run SQL a user typed on a fresh hardened connection; RefusedQuery says why it did not."""
+def sql_limits() -> SqlLimits:
     cfg = current_app.config
+    return SqlLimits(timeout_s=cfg["SQL_TIMEOUT_S"], max_rows=cfg["SQL_ROW_CAP"],
+                     max_result_bytes=cfg["SQL_MAX_RESULT_BYTES"], memory_limit=cfg["SQL_MEMORY_LIMIT"],
+                     address_space_bytes=cfg["SQL_ADDRESS_SPACE_BYTES"],
+                     max_concurrent=cfg["SQL_MAX_CONCURRENT"])
+
+
+def run_user_sql(sql: str) -> QueryResult:
+    """Run SQL a user typed in a limited process of its own; RefusedQuery says why it did not."""
     try:
-        con = user_connection()
-    except StoreError as exc:
+        return run_sandboxed(current_app.config["DATA_DIR"], sql, sql_limits())
+    except QueryBusy as exc:
+        raise RefusedQuery(str(exc), status=429) from exc
+    except (UserSqlError, StoreError) as exc:
         raise RefusedQuery(str(exc)) from exc
-    try:
-        return run_user_query(con, sql, timeout_s=cfg["SQL_TIMEOUT_S"], max_rows=cfg["SQL_ROW_CAP"])
-    except (UserSqlError, duckdb.Error) as exc:
-        raise RefusedQuery(str(exc)) from exc
-    finally:
-        con.close()
 
 
 def _sql_from_request() -> str:

@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "bench": "engine.bench:bench",
     "sweep": "jobs.sweep:sweep",
     "sql": "jobs.store.cli:sql",
+    "store": "jobs.store.cli:store",
     "run": "jobs.commands:run",
     "submit": "jobs.commands:submit",
     "worker": "jobs.commands:worker",

@@ -394,11 +394,11 @@ def status(job_id: str | None, data_dir: str, fmt: str, requeue: bool, output: P
     if job_id is None:
         if output:
             raise click.UsageError("--output needs a JOB")
-        rows = jobs_status(data_dir)
+        rows = _unless_unreadable(jobs_status, data_dir)
         click.echo(json.dumps(rows, indent=1, default=str) if fmt == "json" else render_jobs(rows))
         return
     manifest = _manifest(data_dir, job_id)
-    info = job_status(manifest, all_shards=all_shards)
+    info = _unless_unreadable(job_status, manifest, all_shards=all_shards)
     click.echo(json.dumps(info, indent=1, default=str) if fmt == "json" else render_job(info))
     if output:
         _export(manifest, output)
@@ -420,6 +420,18 @@ def export(job_id: str, data_dir: str, fmt: str | None, output: Path | None) -> 
     elif fmt is not None and output.suffix.lower() != f".{fmt}":
         raise click.UsageError(f"--output {output} and --format {fmt} disagree: the suffix says the format")
     _export(manifest, output)
+
+
+def _unless_unreadable(read, *args, **kwargs):
+    """read(...), or a one-line error (exit 1) naming the part file when the store cannot be read."""
+    import duckdb
+
+    from jobs.store import unreadable_part_message
+
+    try:
+        return read(*args, **kwargs)
+    except duckdb.Error as exc:
+        raise click.ClickException(unreadable_part_message(str(exc))) from None
 
 
 def _export(manifest, output: Path) -> None:

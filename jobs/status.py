@@ -8,13 +8,18 @@ completed (stop or length), failed (error rows), plus cancelled.
 from __future__ import annotations
 
 import json
+import logging
 import time
+
+import duckdb
 
 from jobs.broker import BrokerSettings
 from jobs.ledger import ShardLedger
 from jobs.manifest import JobManifest, load_manifest
-from jobs.store import connect, no_worker_warning, read_worker_records
+from jobs.store import connect, no_worker_warning, read_worker_records, unreadable_part_message
 from jobs.supervise import job_progress
+
+log = logging.getLogger(__name__)
 
 # per request (its n samples together): failed if a sample erred, else cancelled if one was cancelled
 REQUEST_OUTCOMES_SQL = """
@@ -39,10 +44,21 @@ def _fetch(con, sql: str, params: list | None = None) -> list[dict]:
     return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
 
-def _request_counts(total: int, counts: dict | None) -> dict:
+def _request_counts(total: int, counts: dict | None, unknown: bool = False) -> dict:
+    """OpenAI Batch's request_counts; None for the outcomes when the outputs could not be read."""
     counts = counts or {}
-    return {"total": total, "completed": counts.get("completed", 0), "failed": counts.get("failed", 0),
-            "cancelled": counts.get("cancelled", 0)}
+    return {"total": total, **{k: None if unknown else counts.get(k, 0) for k in ("completed", "failed",
+                                                                                 "cancelled")}}
+
+
+def _fetch_counts(con, where: str = "", params: list | None = None) -> list[dict] | None:
+    """Request outcome counts, or None (with a warning naming the file) when the outputs are unreadable:
+    the job and shard states still show."""
+    try:
+        return _fetch(con, _COUNTS_SQL.format(where=where), params)
+    except duckdb.Error as exc:
+        log.warning("request counts unknown: %s", unreadable_part_message(str(exc)))
+        return None
 
 
 def jobs_status(data_dir: str) -> list[dict]:
@@ -50,7 +66,8 @@ def jobs_status(data_dir: str) -> list[dict]:
     con = connect(data_dir)
     try:
         jobs = {r["job_id"]: r for r in _fetch(con, "SELECT * FROM jobs ORDER BY submitted_at, job_id")}
-        counts = {r["job_id"]: r for r in _fetch(con, _COUNTS_SQL.format(where=""))}
+        found = _fetch_counts(con)
+        counts = {r["job_id"]: r for r in found or []}
     finally:
         con.close()
     rows, records = [], read_worker_records(data_dir)
@@ -60,7 +77,7 @@ def jobs_status(data_dir: str) -> list[dict]:
         config = json.loads(job["config"] or "{}")
         rows.append({
             "job_id": job_id, "status": job["status"], "model": job["model"],
-            "request_counts": _request_counts(job["num_requests"] or 0, counts.get(job_id)),
+            "request_counts": _request_counts(job["num_requests"] or 0, counts.get(job_id), found is None),
             "rows_done": max(live, job["rows_done"] or 0), "num_shards": job["num_shards"],
             "shards_completed": job["shards_completed"], "shards_failed": job["shards_failed"],
             "shards_running": job["shards_running"], "output_tokens": job["output_tokens"],
@@ -96,7 +113,7 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
     try:
         job = _fetch(con, "SELECT * FROM jobs WHERE job_id = ?", [manifest.job_id])
         shards = _fetch(con, "SELECT * FROM shards WHERE job_id = ? ORDER BY shard_id", [manifest.job_id])
-        counts = _fetch(con, _COUNTS_SQL.format(where="WHERE job_id = ?"), [manifest.job_id])
+        counts = _fetch_counts(con, "WHERE job_id = ?", [manifest.job_id])
     finally:
         con.close()
     progress = {s.shard_id: s for s in job_progress(manifest).shards}
@@ -106,7 +123,8 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
             shard["rows_done"], shard["output_tokens"] = live.rows_done, live.output_tokens
     info = dict(job[0]) if job else {"job_id": manifest.job_id, "status": "queued"}
     info.pop("config", None)
-    info["request_counts"] = _request_counts(manifest.num_requests, counts[0] if counts else None)
+    info["request_counts"] = _request_counts(manifest.num_requests, counts[0] if counts else None,
+                                             counts is None)
     info["shard_counts"] = {state: sum(1 for s in shards if s["status"] == state) for state in SHARD_STATES}
     info["shard_counts"]["total"] = len(manifest.shards)
     info["shards"] = shards if all_shards else [s for s in shards if s["status"] in LISTED_STATES]
@@ -128,8 +146,8 @@ def render_jobs(rows: list[dict]) -> str:
     lines = [header]
     for r in rows:
         c = r["request_counts"]
-        lines.append((r["job_id"], r["status"], f"{r['rows_done']}/{c['total']}", str(c["completed"]),
-                      str(c["failed"]), str(c["cancelled"]),
+        lines.append((r["job_id"], r["status"], f"{r['rows_done']}/{c['total']}", _count(c["completed"]),
+                      _count(c["failed"]), _count(c["cancelled"]),
                       f"{r['shards_completed']}/{r['shards_failed']}/{r['num_shards']}",
                       str(r["output_tokens"] or 0), str(r["model"])))
     warnings = [f"warning: job {r['job_id']}: {r['warning']}" for r in rows if r.get("warning")]
@@ -140,8 +158,8 @@ def render_job(info: dict) -> str:
     c = info["request_counts"]
     head = [
         f"job {info['job_id']}: {info['status']}",
-        f"requests: total {c['total']}, completed {c['completed']}, failed {c['failed']}, "
-        f"cancelled {c['cancelled']}",
+        f"requests: total {c['total']}, completed {_count(c['completed'])}, failed {_count(c['failed'])}, "
+        f"cancelled {_count(c['cancelled'])}",
         f"tokens: prompt {info.get('prompt_tokens') or 0}, output {info.get('output_tokens') or 0}",
     ]
     if info.get("error"):
@@ -160,6 +178,10 @@ def render_job(info: dict) -> str:
                       s["error"] or ""))
     note = "" if info.get("all_shards") else "\n(running and failed shards only; --shards lists all)"
     return "\n".join(head) + "\n\n" + _table(lines) + note
+
+
+def _count(value: int | None) -> str:
+    return "?" if value is None else str(value)
 
 
 def _table(lines: list[tuple[str, ...]]) -> str:

@@ -34,16 +34,25 @@ Public API:
   `write_catalog(data_dir)` (`catalog.py`); `run_query`, `run_user_query`, `QueryResult`,
   `UserSqlError`, `QueryTimeout` (`usersql.py`); `QUERIES`, `run_named`, `README_EXAMPLES`
   (`queries.py`).
+- user SQL under hard limits (a child process per query): `run_sandboxed`, `SqlLimits`, `QueryBusy`,
+  the `DEFAULT_*` limits (`sqlsandbox.py`); unreadable parts: `connect_reporting`,
+  `unreadable_part_message` (`catalog.py`), `batchgen store check` (`check.py`).
 - maintenance: `compact`, `compact_job`, `compact_telemetry`, `collect_garbage` (`compact.py`).
 - layout: `DATA_DIR_ENV`, `DEFAULT_DATA_DIR`, `check_id`, `new_uid`, `write_atomic` (`layout.py`); schema
   constants `INTERNAL_PREFIX`, `OUTPUTS`, `LOGPROBS_TYPE` (`schemas.py`); worker heartbeats `WorkerRecord`,
   `read_worker_records`, `write_worker_record`, `no_worker_warning` (`workers.py`).
-- `batchgen sql` (`cli.py`), `python -m jobs.store.bench` (`bench.py`).
+- `batchgen sql` (`cli.py`), `python -m jobs.store.bench` (`bench.py`), `python -m jobs.store.loadbench`
+  (the dashboard under 50 concurrent clients while a job writes).
 
 Everything outside this package imports from here, never from its modules (tests/test_layers.py).
 """
 
-from jobs.store.catalog import connect, write_catalog
+from jobs.store.catalog import (
+    connect,
+    connect_reporting,
+    unreadable_part_message,
+    write_catalog,
+)
 from jobs.store.compact import collect_garbage, compact, compact_job, compact_telemetry
 from jobs.store.layout import (
     DATA_DIR_ENV,
@@ -66,10 +75,22 @@ from jobs.store.schemas import (
     ShardEvent,
     SweepRecord,
 )
+from jobs.store.sqlsandbox import (
+    DEFAULT_ADDRESS_SPACE_BYTES,
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_RESULT_BYTES,
+    DEFAULT_MEMORY_LIMIT,
+    QueryBusy,
+    SqlLimits,
+    run_sandboxed,
+)
 from jobs.store.usersql import QueryResult, QueryTimeout, UserSqlError, run_query, run_user_query
 from jobs.store.workers import WorkerRecord, no_worker_warning, read_worker_records, write_worker_record
 
 __all__ = [
+    "DEFAULT_ADDRESS_SPACE_BYTES", "DEFAULT_MAX_CONCURRENT", "DEFAULT_MAX_RESULT_BYTES",
+    "DEFAULT_MEMORY_LIMIT",
+    "QueryBusy", "SqlLimits", "connect_reporting", "run_sandboxed", "unreadable_part_message",
     "DATA_DIR_ENV", "DEFAULT_DATA_DIR", "INTERNAL_PREFIX", "LOGPROBS_TYPE", "OUTPUTS", "QUERIES",
     "README_EXAMPLES", "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout",
     "ShardAttempt", "ShardEvent", "Store", "StoreError", "SweepRecord", "TelemetryBuffer", "UserSqlError",

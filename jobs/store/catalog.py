@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -251,10 +252,48 @@ def view_definitions(layout: Layout, relative_to: Path | None = None) -> list[tu
     return views
 
 
-def create_views(con: duckdb.DuckDBPyConnection, layout: Layout, relative_to: Path | None = None) -> None:
+def create_views(con: duckdb.DuckDBPyConnection, layout: Layout,
+                 relative_to: Path | None = None) -> dict[str, str]:
+    """Create every view; {kind: error} for kinds whose parts cannot be read (see `_unreadable_sql`)."""
     con.execute(f"CREATE SCHEMA IF NOT EXISTS {INTERNAL_SCHEMA}")
+    broken: dict[str, str] = {}
+    scan_prefix = f"{INTERNAL_SCHEMA}.scan_"
     for name, select in view_definitions(layout, relative_to):
-        con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
+        kind = name.removeprefix(scan_prefix) if name.startswith(scan_prefix) else None
+        try:
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
+        except (duckdb.IOException, duckdb.InvalidInputException) as exc:
+            if kind is None:
+                raise
+            broken[kind] = unreadable_part_message(str(exc))
+            stand_in = _unreadable_sql(layout, kind, broken[kind], relative_to)
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS {stand_in}")
+    return broken
+
+
+def unreadable_part_message(duckdb_error: str) -> str:
+    """DuckDB's error as one line; when it is about a Parquet file (DuckDB names the file), with what
+    to do about it."""
+    first = duckdb_error.strip().splitlines()[0] if duckdb_error.strip() else "unreadable part file"
+    if ".parquet" not in first or QUARANTINE_HINT in first:
+        return first
+    first = re.sub(r"^(?:[A-Za-z]+ )+Error: ", "", first)  # DuckDB's class ("Invalid Input Error: ")
+    return f"{first} ({QUARANTINE_HINT})"
+
+
+QUARANTINE_HINT = ("a part file of the store is corrupt or missing: `batchgen store check --quarantine` "
+                   "moves bad files aside and says what they held")
+
+
+def _unreadable_sql(layout: Layout, kind: str, message: str, relative_to: Path | None = None) -> str:
+    """A stand-in for a kind's scan whose files cannot be read: it has the kind's base columns, and
+    every query that reads it fails with `message` (naming the file), while queries on views over
+    other kinds (and `SELECT 1`) still answer."""
+    schema = str(layout.kind_dir(kind) / "_schema.parquet")
+    if relative_to is not None:
+        schema = os.path.relpath(schema, relative_to)
+    return (f"SELECT s.* FROM (SELECT 1 AS one WHERE error({_q(message)}) IS NULL) AS t "
+            f"LEFT JOIN read_parquet({_q(schema)}) AS s ON true")
 
 
 # ---------------------------------------------------------------- connections
@@ -276,19 +315,32 @@ def connect(data_dir: str | os.PathLike | None = None, *, read_only_user_sql: bo
     extension autoload/autoinstall is off, `memory_limit` applies and the configuration is locked.
     Run user SQL through `jobs.store.usersql.run_user_query`, which also refuses anything but one
     SELECT (DuckDB itself would still let COPY write inside the allowed directory).
+
+    A kind whose part files cannot be read (a corrupt or vanished file) does not stop the connection:
+    queries over its views fail with an error naming the file, all others answer (`create_views`).
     """
+    return connect_reporting(data_dir, read_only_user_sql=read_only_user_sql, memory_limit=memory_limit,
+                             threads=threads)[0]
+
+
+def connect_reporting(data_dir: str | os.PathLike | None = None, *, read_only_user_sql: bool = False,
+                      memory_limit: str = "2GB",
+                      threads: int | None = None) -> tuple[duckdb.DuckDBPyConnection, dict[str, str]]:
+    """`connect`, and {kind: error} for the kinds whose parts could not be read."""
     layout = init_data_dir(resolve_data_dir(data_dir), create=False)
     con = duckdb.connect(":memory:")
     try:
         if threads is not None:
             con.execute(f"SET threads = {int(threads)}")
-        create_views(con, layout)
+        broken = create_views(con, layout)
+        for kind, message in broken.items():
+            log.warning("store %s: %s parts unreadable: %s", layout.root, kind, message)
         if read_only_user_sql:
             harden(con, layout, memory_limit)
     except Exception:
         con.close()
         raise
-    return con
+    return con, broken
 
 
 def harden(con: duckdb.DuckDBPyConnection, layout: Layout, memory_limit: str) -> None:

@@ -1,7 +1,8 @@
-"""`batchgen sql "QUERY"`: read-only SQL over the store's views.
+"""`batchgen sql "QUERY"`: read-only SQL over the store's views; `batchgen store check`: bad part files.
 
-The query runs on a hardened in-memory connection (`connect(..., read_only_user_sql=True)`) through
-`run_user_query`: one SELECT only, no file access beyond the views, a time limit and a row cap.
+The query runs in a process of its own (`jobs.store.sqlsandbox.run_sandboxed`) on a hardened
+in-memory connection: one SELECT only, no file access beyond the views, its address space capped,
+killed at the time limit, rows and result bytes capped, at most a few queries at once per data dir.
 """
 
 from __future__ import annotations
@@ -15,10 +16,17 @@ import uuid
 
 import click
 
-from jobs.store.catalog import connect, resolve_data_dir
-from jobs.store.layout import DATA_DIR_ENV, StoreError
+from jobs.store.catalog import resolve_data_dir
+from jobs.store.layout import DATA_DIR_ENV, Layout, StoreError
 from jobs.store.queries import README_EXAMPLES
-from jobs.store.usersql import QueryResult, run_user_query
+from jobs.store.sqlsandbox import (
+    DEFAULT_ADDRESS_SPACE_BYTES,
+    DEFAULT_MAX_CONCURRENT,
+    DEFAULT_MAX_RESULT_BYTES,
+    SqlLimits,
+    run_sandboxed,
+)
+from jobs.store.usersql import QueryResult
 
 _EPILOG = "Examples:\n\n" + "\n\n".join(
     f"\b\n{title}:\n  batchgen sql \"{sql}\"" for title, sql in README_EXAMPLES
@@ -35,19 +43,23 @@ _EPILOG = "Examples:\n\n" + "\n\n".join(
               help="seconds before the query is interrupted")
 @click.option("--max-rows", type=click.IntRange(min=1), default=10_000, show_default=True,
               help="rows printed at most (a note on stderr says when more were cut)")
-def sql(query: str, fmt: str, data_dir: str | None, timeout_s: float, max_rows: int) -> None:
+@click.option("--max-mb", "max_mb", type=click.FloatRange(min=0.001), show_default=True,
+              default=DEFAULT_MAX_RESULT_BYTES / (1 << 20), help="a result over this many MiB is refused")
+@click.option("--memory-gb", "memory_gb", type=click.FloatRange(min=0.5), show_default=True,
+              default=DEFAULT_ADDRESS_SPACE_BYTES / (1 << 30),
+              help="address space of the query's process in GiB (a query needing more is stopped)")
+@click.option("--max-concurrent", type=click.IntRange(min=1), default=DEFAULT_MAX_CONCURRENT,
+              show_default=True, help="queries running at once over the data dir; beyond it one is refused")
+def sql(query: str, fmt: str, data_dir: str | None, timeout_s: float, max_rows: int, max_mb: float,
+        memory_gb: float, max_concurrent: int) -> None:
     """Run a read-only SQL QUERY over the views jobs, shards, outputs, requests, requests_live,
     iterations and sweeps."""
+    limits = SqlLimits(timeout_s=timeout_s, max_rows=max_rows, max_result_bytes=int(max_mb * (1 << 20)),
+                       address_space_bytes=int(memory_gb * (1 << 30)), max_concurrent=max_concurrent)
     try:
-        con = connect(resolve_data_dir(data_dir), read_only_user_sql=True)
+        result = run_sandboxed(resolve_data_dir(data_dir), query, limits)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
-    try:
-        result = run_user_query(con, query, timeout_s=timeout_s, max_rows=max_rows)
-    except StoreError as exc:
-        raise click.ClickException(str(exc)) from exc
-    finally:
-        con.close()
     {"table": _print_table, "csv": _print_csv, "json": _print_json}[fmt](result)
     if result.truncated:
         click.echo(f"(output cut at {max_rows} rows; use --max-rows or LIMIT)", err=True)
@@ -104,3 +116,35 @@ def _print_table(result: QueryResult, max_width: int = 60) -> None:
         click.echo("| " + " | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) + " |")
     click.echo(line)
     click.echo(f"({len(result.rows)} row{'s' if len(result.rows) != 1 else ''})")
+
+
+@click.group(name="store")
+def store() -> None:
+    """Look after the data dir's store."""
+
+
+@store.command(name="check")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None, envvar=DATA_DIR_ENV,
+              help=f"data dir (default: ${DATA_DIR_ENV} or ./data)")
+@click.option("--quarantine", "move", is_flag=True,
+              help="move the unreadable files aside, under DATA_DIR/quarantine/<time>/")
+@click.option("--quick", is_flag=True, help="read only each file's footer, not every row group")
+def check(data_dir: str | None, move: bool, quick: bool) -> None:
+    """List part files that cannot be read and what they held (re-derivable or lost), and committed
+    shards missing output rows. Exits 1 when something is wrong and was not quarantined."""
+    from jobs.store.check import check_store, quarantine
+
+    try:
+        report = check_store(resolve_data_dir(data_dir), deep=not quick)
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    root = Layout.of(resolve_data_dir(data_dir)).root
+    click.echo(f"{report.files_checked} part files checked, {len(report.bad)} unreadable")
+    for item in report.bad:
+        click.echo("  " + item.describe(root))
+    for item in report.missing:
+        click.echo("  " + item.describe())
+    if report.bad and move:
+        click.echo(f"moved {len(report.bad)} files to {quarantine(root, report.bad)}")
+    elif not report.healthy:
+        raise SystemExit(1)

@@ -179,6 +179,15 @@ def _write_schema_files(layout: Layout) -> None:
     """A zero-row file per kind keeps its glob non-empty and fixes the base column types."""
     for kind, schema in KIND_SCHEMAS.items():
         path = layout.kind_dir(kind) / "_schema.parquet"
-        if path.exists() and pq.read_schema(path).equals(schema, check_metadata=False):
+        found = _schema_of(path) if path.exists() else None
+        if found is not None and found.equals(schema, check_metadata=False):
             continue
         write_table_atomic(schema.empty_table(), path, layout.tmp)
+
+
+def _schema_of(path: Path) -> pa.Schema | None:
+    """The schema of a Parquet file, or None when it cannot be read (then it is written anew)."""
+    try:
+        return pq.read_schema(path)
+    except (pa.ArrowException, OSError):
+        return None

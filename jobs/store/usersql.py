@@ -84,11 +84,18 @@ def _run_once(con: duckdb.DuckDBPyConnection, sql: str, params, timeout_s: float
     except duckdb.InterruptException as exc:
         raise QueryTimeout(f"query ran past its {timeout_s:g} s limit and was interrupted") from exc
     except duckdb.Error as exc:
-        raise UserSqlError(str(exc)) from exc
+        raise UserSqlError(_with_part_hint(str(exc))) from exc
     finally:
         guard.cancel()
         _finish(con)
     return QueryResult(columns, rows[:max_rows], truncated, time.perf_counter() - start)
+
+
+def _with_part_hint(message: str) -> str:
+    """A DuckDB error; one about a Parquet part (it names the file) says what to do about it."""
+    from jobs.store.catalog import unreadable_part_message
+
+    return unreadable_part_message(message) if ".parquet" in message.splitlines()[0] else message
 
 
 def run_user_query(con: duckdb.DuckDBPyConnection, sql: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
