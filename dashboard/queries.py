@@ -69,7 +69,7 @@ JOB_ITERATIONS = """
 WITH it AS MATERIALIZED (
     SELECT ts, duration_s, worker_id, num_running, num_waiting, num_scheduled_seqs, prefill_tokens,
            decode_tokens, scheduled_tokens, token_budget, max_num_seqs, kv_blocks_used, kv_blocks_total,
-           num_preempted
+           num_preempted, num_constrained_seqs, mask_fill_s
     FROM iterations WHERE list_contains(job_ids, $job_id)
 ), extent AS (
     SELECT count(*) AS num_iterations, count(DISTINCT worker_id) AS num_workers, min(ts) AS t0,
@@ -90,7 +90,8 @@ WITH it AS MATERIALIZED (
            avg(decode_tokens) AS decode_tokens, avg(scheduled_tokens) AS scheduled_tokens,
            avg(token_budget) AS token_budget, avg(max_num_seqs) AS max_num_seqs,
            avg(kv_blocks_used) AS kv_blocks_used, avg(kv_blocks_total) AS kv_blocks_total,
-           sum(num_preempted) AS num_preempted
+           sum(num_preempted) AS num_preempted, avg(num_constrained_seqs) AS num_constrained_seqs,
+           avg(mask_fill_s) AS mask_fill_s
     FROM bucketed GROUP BY bucket, worker_id
 )
 SELECT CASE WHEN any_value(downsampled) THEN any_value(t0) + bucket * any_value(bucket_s)
@@ -101,7 +102,8 @@ SELECT CASE WHEN any_value(downsampled) THEN any_value(t0) + bucket * any_value(
        sum(decode_tokens) AS decode_tokens, sum(scheduled_tokens) AS scheduled_tokens,
        sum(token_budget) AS token_budget, sum(max_num_seqs) AS max_num_seqs,
        sum(kv_blocks_used) AS kv_blocks_used, sum(kv_blocks_total) AS kv_blocks_total,
-       sum(num_preempted) AS num_preempted,
+       sum(num_preempted) AS num_preempted, sum(num_constrained_seqs) AS num_constrained_seqs,
+       sum(mask_fill_s) AS mask_fill_s,
        any_value(num_iterations) AS num_iterations, any_value(num_workers) AS num_workers,
        any_value(downsampled) AS downsampled, any_value(bucket_s) AS bucket_s
 FROM per_worker GROUP BY bucket ORDER BY bucket

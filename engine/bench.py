@@ -3,7 +3,10 @@
 Prints output tokens/s, processed (prompt + output) tokens/s, model-FLOP utilisation against a GEMM
 peak measured in the same run, TTFT and ITL p50/p99. `--baseline hf` also runs transformers with
 static batching (padded batches, each run to its longest member) on the same workload in the same
-process and prints the ratio. Numbers, not pass/fail: this is not a timed test.
+process and prints the ratio. `--constrained-share 0.25` also runs the workload with that share of
+its requests constrained to a JSON schema (structured output), alternating plain and constrained
+runs, and prints the throughput ratio and the time spent filling grammar masks. Numbers, not
+pass/fail: this is not a timed test.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class BenchResult:
     mean_budget_utilisation: float = 0.0  # scheduled_tokens / token_budget per iteration
     num_preemptions: int = 0
     num_iterations: int = 0
+    num_constrained: int = 0  # requests with a JSON schema constraint
+    mask_fill_s: float = 0.0  # time filling their grammar masks, all iterations
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -132,12 +137,25 @@ def _model_flops(args, workload: Workload) -> float:
     return total
 
 
-def run_engine(llm, workload: Workload, peak: float, name: str = "batchgen", temperature: float = 0.0
-               ) -> BenchResult:
-    """Every request of the workload through `llm.generate` (ignore_eos: each runs to its length);
-    greedy, or seeded sampling at `temperature` (seed = request index)."""
+# the schema of the constrained requests: an extraction record with free text (rows mostly run to
+# their max_tokens inside it, so plain and constrained runs produce similar token counts)
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"}, "summary": {"type": "string"},
+    "tags": {"type": "array", "items": {"type": "string"}}, "year": {"type": "integer"}},
+    "required": ["title", "summary", "tags", "year"]}
+
+
+def run_engine(llm, workload: Workload, peak: float, name: str = "batchgen", temperature: float = 0.0,
+               constrained_share: float = 0.0) -> BenchResult:
+    """Every request of the workload through `llm.generate` (ignore_eos: each runs to its length,
+    or a constrained one to its grammar's end); greedy, or seeded sampling at `temperature` (seed =
+    request index). `constrained_share` of the requests, spread evenly, get BENCH_SCHEMA."""
+    fmt = {"type": "json_schema", "json_schema": {"schema": BENCH_SCHEMA}}
+    constrained = [int((i + 1) * constrained_share) > int(i * constrained_share)
+                   for i in range(len(workload.prompts))]
     params = [SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True,
-                             seed=i if temperature else None) for i, n in enumerate(workload.output_lens)]
+                             seed=i if temperature else None, response_format=fmt if constrained[i] else None)
+              for i, n in enumerate(workload.output_lens)]
     t0 = time.perf_counter()
     outs = llm.generate(workload.prompts, params)
     elapsed = time.perf_counter() - t0
@@ -159,7 +177,19 @@ def run_engine(llm, workload: Workload, peak: float, name: str = "batchgen", tem
         mean_budget_utilisation=statistics.fmean(s.scheduled_tokens / s.token_budget for s in stats)
         if stats else 0.0,
         num_preemptions=sum(s.num_preempted for s in stats), num_iterations=len(stats),
+        num_constrained=sum(constrained), mask_fill_s=sum(s.mask_fill_s for s in stats),
     )
+
+
+def run_constrained_pair(llm, workload: Workload, peak: float, share: float, rounds: int = 2
+                         ) -> list[BenchResult]:
+    """Plain and constrained runs of one workload, alternated `rounds` times (load drifts on a
+    shared machine); the faster run of each kind."""
+    plain, constrained = [], []
+    for _ in range(rounds):
+        plain.append(run_engine(llm, workload, peak))
+        constrained.append(run_engine(llm, workload, peak, f"constrained-{share:g}", constrained_share=share))
+    return [max(runs, key=lambda r: r.output_tokens_per_s) for runs in (plain, constrained)]
 
 
 def run_hf_static(model_dir: str, workload: Workload, batch_size: int, peak: float, args,
@@ -200,7 +230,8 @@ def format_table(results: list[BenchResult]) -> str:
     cols = [("name", "{}"), ("elapsed_s", "{:.2f}"), ("output_tokens_per_s", "{:.1f}"),
             ("processed_tokens_per_s", "{:.1f}"), ("mfu", "{:.3f}"), ("ttft_p50_s", "{:.3f}"),
             ("ttft_p99_s", "{:.3f}"), ("itl_p50_s", "{:.4f}"), ("itl_p99_s", "{:.4f}"),
-            ("mean_running", "{:.1f}"), ("mean_budget_utilisation", "{:.2f}"), ("num_preemptions", "{}")]
+            ("mean_running", "{:.1f}"), ("mean_budget_utilisation", "{:.2f}"), ("num_preemptions", "{}"),
+            ("num_constrained", "{}"), ("mask_fill_s", "{:.3f}")]
     rows = [[c for c, _ in cols]] + [[f.format(getattr(r, c)) for c, f in cols] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows)
@@ -244,9 +275,12 @@ def build_llm(config, checkpoint=None):
 @click.option("--baseline", type=click.Choice(["none", "hf"]), default="none",
               help="also run transformers static batching on the same workload")
 @click.option("--hf-batch-size", type=int, default=16, show_default=True)
+@click.option("--constrained-share", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+              help="also run with this share of the requests constrained to a JSON schema (structured "
+                   "output), alternating with plain runs, and print the throughput cost")
 @click.option("--json", "as_json", is_flag=True, help="print results as JSON")
-def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, hf_batch_size, as_json,
-          **engine_kw):
+def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, hf_batch_size,
+          constrained_share, as_json, **engine_kw):
     """Benchmark the engine on a seeded synthetic workload (ignore_eos, greedy)."""
     prompt_lens = parse_range(prompt_len, "--prompt-len")
     output_lens = parse_range(output_len, "--output-len")
@@ -257,7 +291,10 @@ def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, h
     peak = max(peaks.values())
     warm = make_workload(4, (8, 32), (4, 8), args.vocab_size, seed + 1)
     llm.generate(warm.prompts, SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
-    results = [run_engine(llm, workload, peak)]
+    if constrained_share:
+        results = run_constrained_pair(llm, workload, peak, constrained_share)
+    else:
+        results = [run_engine(llm, workload, peak)]
     if baseline == "hf":
         model_dir = _hf_dir(llm.config.model)
         results.append(run_hf_static(model_dir, workload, hf_batch_size, peak, args, llm.config.dtype))
@@ -285,6 +322,10 @@ def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json:
     each = ", ".join(f"{name} {value / 1e9:.1f}" for name, value in peaks.items())
     click.echo(f"measured GEMM peak: {peak / 1e9:.1f} GFLOP/s (best of {each}; MFU is against it)")
     click.echo(format_table(results))
-    if len(results) == 2:
-        ratio = results[0].output_tokens_per_s / results[1].output_tokens_per_s
-        click.echo(f"output tokens/s ratio batchgen / {results[1].name}: {ratio:.2f}x")
+    for other in results[1:]:
+        ratio = results[0].output_tokens_per_s / other.output_tokens_per_s
+        click.echo(f"output tokens/s ratio batchgen / {other.name}: {ratio:.2f}x")
+        if other.num_constrained:
+            click.echo(f"structured output: {other.num_constrained} of {other.num_requests} requests "
+                       f"constrained cost {1 - 1 / ratio:.1%} of output tokens/s; mask filling "
+                       f"{other.mask_fill_s:.3f} s = {other.mask_fill_s / other.elapsed_s:.1%} of the run")

@@ -26,6 +26,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.stats import IterationStats
+from engine.structured_output import StructuredOutputs
 
 StatLogger = Callable[[IterationStats], None]
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ class LLMEngine:
         model = _build_model(self.model_args, checkpoint.weights, config)
         self.runner = ModelRunner(model, config.block_size, self.max_model_len, config.max_num_seqs,
                                   config.max_num_batched_tokens, enforce_eager=config.enforce_eager)
-        self.sampler = Sampler(config.seed, self.runner.staging)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_args.vocab_size)
+        self.sampler = Sampler(config.seed, self.runner.staging, self.structured)
         num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_graphs()
@@ -119,7 +121,7 @@ class LLMEngine:
         except ValueError as exc:
             token_ids, error = [], str(exc)
         else:
-            error = self._check_prompt(token_ids)
+            error = self._check_prompt(token_ids) or self._prepare_constraint(params)
         seq = Sequence(request_id, token_ids, params, arrival_ts=arrival_ts or time.time(),
                        prompt=text, job_id=job_id)
         if error:
@@ -158,6 +160,16 @@ class LLMEngine:
             return f"token id {bad} is outside the vocabulary [0, {self.model_args.vocab_size})"
         return None
 
+    def _prepare_constraint(self, params: SamplingParams) -> str | None:
+        """Compile the request's grammar (once per distinct constraint); the error if it is refused."""
+        if params.constraint is None:
+            return None
+        try:
+            self.structured.prepare(params.constraint)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     def abort_request(self, request_ids: Seq[str]) -> None:
         """Stop requests wherever they are; their outputs (finish_reason "cancelled") come from step()."""
         for rid in request_ids:
@@ -177,6 +189,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, apply stops. Returns the requests that finished."""
         ts, t0 = time.time(), time.perf_counter()
+        self.structured.mask_fill_s = 0.0
         sched = self.scheduler.schedule()
         occupancy = (len(self.scheduler.running), len(self.scheduler.waiting))
         for seq in sched.preempted:
@@ -246,12 +259,27 @@ class LLMEngine:
         if logprobs is not None:
             seq.logprobs = seq.logprobs or []
             seq.logprobs.append(logprobs)
-        reason = self._stop_reason(seq, token)
+        reason = self._grammar_stop(seq, token) or self._stop_reason(seq, token)
         if reason is None:
             return 0
-        self.scheduler.finish(seq, reason)
+        if reason == "length" and seq.params.constraint is not None:
+            limit = "max_tokens" if seq.num_output_tokens >= seq.params.max_tokens else "max_model_len"
+            seq.error = (f"{limit} reached before the {seq.params.constraint.describe()} output was "
+                         "complete: the output is incomplete")
+        self.scheduler.finish(seq, reason, seq.error)
         self._on_finished(seq)
         return 1
+
+    def _grammar_stop(self, seq: Sequence, token: int) -> str | None:
+        """Advance a constrained sequence's grammar by its new token: "stop" once the grammar is
+        complete, "error" (with seq.error) if it refuses the token."""
+        constraint = seq.params.constraint
+        if constraint is None:
+            return None
+        if not self.structured.accept(seq, token):
+            seq.error = f"token {token} does not match the {constraint.describe()} grammar"
+            return "error"
+        return "stop" if self.structured.is_terminated(seq) else None
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -275,6 +303,7 @@ class LLMEngine:
         self._seqs.pop(seq.request_id, None)
         self.runner.release(seq)
         self.sampler.release(seq)
+        self.structured.release(seq)
         self._finished.append(self._output(seq))
         self._detoks.pop(seq.seq_index, None)
 
@@ -316,6 +345,8 @@ class LLMEngine:
             num_preempted=len(sched.preempted), num_finished=num_finished,
             prefix_cache_hit_tokens=sched.prefix_cache_hit_tokens,
             job_ids=sorted({s.seq.job_id for s in sched.scheduled if s.seq.job_id is not None}),
+            num_constrained_seqs=sum(s.seq.params.constraint is not None for s in sched.scheduled),
+            mask_fill_s=self.structured.mask_fill_s,
         )
         self.iteration += 1
         for logger in self.stat_loggers:

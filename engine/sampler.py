@@ -8,8 +8,10 @@ one from the engine seed and its admission index. The draw is an inverse-CDF loo
 filtered distribution (`searchsorted` over the cumulative probabilities), vectorised over rows:
 no per-row loop, no host sync until the step's tokens (and logprobs) come back in one copy.
 
-Order of processing, as in vLLM: penalties on the raw logits, temperature, min-p, top-k, top-p.
-Logprobs are the model's own distribution (raw logits, before any of these).
+Order of processing, as in vLLM: penalties on the raw logits, the grammar masks of constrained
+rows (structured output: tokens the row's grammar refuses get -inf; rows without a constraint
+are not touched and a step without constrained rows does no mask work), temperature, min-p,
+top-k, top-p. Logprobs are the model's own distribution (raw logits, before any of these).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from engine.sequence import Sequence
 from engine.staging import Staging
+from engine.structured_output import StructuredOutputs
 
 _MASK64 = (1 << 64) - 1
 
@@ -53,9 +56,11 @@ class _Rows:
 
 
 class Sampler:
-    def __init__(self, engine_seed: int = 0, staging: Staging | None = None) -> None:
+    def __init__(self, engine_seed: int = 0, staging: Staging | None = None,
+                 structured: StructuredOutputs | None = None) -> None:
         self.engine_seed = engine_seed
         self.staging = staging
+        self.structured = structured  # grammars and matchers of constrained rows (the engine's)
         self._seeds: dict[int, int] = {}  # seq_index -> its seed (uint64)
 
     def release(self, seq: Sequence) -> None:
@@ -76,13 +81,17 @@ class Sampler:
         """logits (S, V) float32 for `seqs` -> one token id per row, and its logprobs when asked."""
         staging = self.staging or Staging(logits.device)
         params = [s.params for s in seqs]
-        simple = all(p.greedy and p.logprobs is None and not p.has_penalties for p in params)
+        constrained = np.flatnonzero([p.constraint is not None for p in params])
+        simple = not constrained.size and all(p.greedy and p.logprobs is None and not p.has_penalties
+                                              for p in params)
         if simple:  # the common batch case: an argmax and one copy
             return staging.fetch(logits.argmax(dim=-1)).tolist(), [None] * len(seqs)
         rows = self._rows(seqs)
         raw = logits
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, seqs, staging)
+        if constrained.size:
+            logits = self._apply_grammars(logits, raw, seqs, constrained, staging)
         tokens = logits.argmax(dim=-1)
         sampled = np.flatnonzero(~rows.greedy)
         if sampled.size:
@@ -95,6 +104,15 @@ class Sampler:
         packed = torch.cat([tokens.double(), top_logprobs(raw, tokens, want, rows, staging)])
         host = staging.fetch(packed)
         return _unpack(host, len(seqs), want, rows.logprobs)
+
+    def _apply_grammars(self, logits: torch.Tensor, raw: torch.Tensor, seqs: list[Sequence],
+                        rows: np.ndarray, staging: Staging) -> torch.Tensor:
+        """-inf on every token the grammar of a constrained row refuses next (rows `rows`); the raw
+        logits (the model's, kept for logprobs) are never changed."""
+        if self.structured is None:
+            raise ValueError("structured output needs a tokenizer; this model has none")
+        in_place = logits is not raw or all(s.params.logprobs is None for s in seqs)
+        return self.structured.apply(logits, seqs, rows, staging, in_place=in_place)
 
     def _rows(self, seqs: list[Sequence]) -> _Rows:
         params = [s.params for s in seqs]

@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from engine.structured_output import Constraint, constraint_from
+
 
 @dataclass
 class SamplingParams:
@@ -23,6 +25,13 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     logprobs: int | None = None  # top-N logprobs per output token
     priority: int = 0  # lower value runs first under scheduling_policy="priority"
+    # structured output, at most one of: OpenAI's {"type": "json_object"} or {"type": "json_schema",
+    # "json_schema": {"schema": {...}}} ({"type": "text"} = none), a regex, a list of strings
+    response_format: dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    # derived from the three above: the grammar the output must match (None = unconstrained)
+    constraint: Constraint | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -41,6 +50,7 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=1024)
         _check_int("priority", self.priority, lo=-(1 << 63), hi=(1 << 63) - 1)
+        self.constraint = constraint_from(self.response_format, self.guided_regex, self.guided_choice)
 
     @property
     def greedy(self) -> bool:

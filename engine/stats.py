@@ -34,6 +34,8 @@ class IterationStats:
     num_finished: int = 0  # sequences that finished this step
     prefix_cache_hit_tokens: int = 0  # prompt tokens served from the prefix cache this step
     job_ids: list[str] = field(default_factory=list)  # tags of the requests this step served
+    num_constrained_seqs: int = 0  # scheduled sequences with structured output (a grammar)
+    mask_fill_s: float = 0.0  # time filling the grammar token masks of this step (structured output)
 
     def as_row(self) -> dict:
         return asdict(self)

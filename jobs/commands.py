@@ -56,10 +56,15 @@ _SAMPLING_OPTIONS = [
                  "log probability of each output token)."),
     click.option("--top-logprobs", type=int, help="Job default: alternatives per token in `logprobs` "
                  "(implies --logprobs)."),
+    click.option("--response-format", metavar="FILE.json", callback=lambda ctx, param, value:
+                 _response_format(value), help="Job default structured output: a JSON file holding "
+                 'OpenAI\'s response_format ({"type": "json_schema", "json_schema": {"schema": ...}} or '
+                 '{"type": "json_object"}) or a bare JSON schema. Rows override it with their own '
+                 "response_format / guided_regex / guided_choice."),
 ]
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "seed", "stop", "ignore_eos", "n", "logprobs",
-                   "top_logprobs")
+                   "top_logprobs", "response_format")
 
 _JOB_OPTIONS = [
     click.option("--shard-size", type=int, default=DEFAULT_SHARD_SIZE, show_default=True,
@@ -110,6 +115,27 @@ def usable_data_dir(data_dir: str) -> str:
     if not os.access(path, os.W_OK | os.X_OK):
         raise click.BadParameter(f"{path} is not writable", param_hint="'--data-dir'")
     return str(path)
+
+
+def _response_format(path: str | None) -> dict | None:
+    """--response-format FILE.json -> the response_format object, its schema checked (exit 2 if bad)."""
+    if path is None:
+        return None
+    from engine.structured_output import RESPONSE_FORMAT_TYPES, check, constraint_from
+
+    try:
+        value = json.loads(Path(path).expanduser().read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise click.BadParameter(f"{path}: cannot read ({exc.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise click.BadParameter(f"{path}: not JSON ({exc})") from None
+    if isinstance(value, dict) and value.get("type") not in RESPONSE_FORMAT_TYPES:
+        value = {"type": "json_schema", "json_schema": {"schema": value}}  # a bare JSON schema
+    try:
+        check(constraint_from(value))
+    except ValueError as exc:
+        raise click.BadParameter(f"{path}: {exc}") from None
+    return value
 
 
 def _apply(options):

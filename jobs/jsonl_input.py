@@ -33,10 +33,12 @@ I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 # input column -> kind of value it takes (the Parquet kinds of jobs.spec, for JSON values)
 _KINDS = {"id": "id", "prompt": "str", "messages": "messages", **SAMPLING_COLUMNS}
 _ARROW = {"id": pa.string(), "str": pa.string(), "messages": MESSAGES_TYPE, "int": pa.int64(),
-          "float": pa.float64(), "bool": pa.bool_(), "stop": pa.list_(pa.string()), "logprobs": pa.bool_()}
+          "float": pa.float64(), "bool": pa.bool_(), "stop": pa.list_(pa.string()), "logprobs": pa.bool_(),
+          "format": pa.string(), "regex": pa.string(), "choice": pa.list_(pa.string())}
 _NAMES = {"id": "a string or an integer", "str": "a string", "messages": "a list of role/content objects",
           "int": "an integer", "float": "a number", "bool": "true or false",
-          "stop": "a string or a list of strings", "logprobs": "true, false or an integer"}
+          "stop": "a string or a list of strings", "logprobs": "true, false or an integer",
+          "format": "a JSON object", "regex": "a string", "choice": "a list of strings"}
 # the columns of every OpenAI-format file, in this order
 OPENAI_COLUMNS = ("id", "prompt", "messages", *SAMPLING_COLUMNS)
 
@@ -177,7 +179,12 @@ def _typed(kind: str, value, what: str):
     if kind == "stop":
         ok = isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value))
         return _ok([value] if isinstance(value, str) else value, ok, kind, what, value)
-    if kind in ("str", "id"):
+    if kind == "format":  # kept as JSON text: one Arrow type whatever the schema's shape
+        return _ok(json.dumps(value, ensure_ascii=False), isinstance(value, dict), kind, what, value)
+    if kind == "choice":
+        ok = isinstance(value, list) and all(isinstance(c, str) for c in value)
+        return _ok(value, ok, kind, what, value)
+    if kind in ("str", "id", "regex"):
         ok = isinstance(value, str) or (kind == "id" and _is_int(value))
         return _ok(str(value), ok, kind, what, value)
     if kind == "bool":

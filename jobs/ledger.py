@@ -6,7 +6,7 @@ store's shard events (jobs.store: what the `shards` and `jobs` views show). Ever
 through one method here, which writes both, always in the same order:
 
     queue      submitted, retried, re-queued after a dead worker, resumed       -> event `queued`
-    take_lost  a waiting shard's lost message is published again (still `queued`)
+    republish  a queued shard whose message the broker lost (once per wait)
     claim      a delivery takes the next attempt (O_EXCL claim, then `running`)
     heartbeat  the claimant's lease, with progress (`Claim.heartbeat`)
     commit     the attempt's rows count (first commit wins), the lease ends `committed`
@@ -88,10 +88,10 @@ class ShardLedger:
         """True for exactly one caller per dead attempt: the one that re-queues it or gives up on it."""
         return self.leases.mark_requeued(view.shard_id, view.attempt)
 
-    def take_lost(self, shard_id: int, waiting_since: float) -> bool:
-        """True for exactly one caller per shard waiting since `waiting_since` whose message the broker
-        lost: the one that publishes it again (the shard stays queued: no event)."""
-        return self.leases.mark_republished(shard_id, waiting_since)
+    def take_republish(self, shard_id: int, since: float) -> bool:
+        """True for exactly one caller per (shard, waiting since): that caller publishes the shard's
+        message again (its first message was lost; the shard stays queued, no event)."""
+        return self.leases.mark_republished(shard_id, since)
 
     # -- claim
     def claim(self, shard_id: int, worker_id: str, *, num_requests: int,

@@ -7,10 +7,12 @@ onto the input column names of jobs.spec (`max_completion_tokens` -> `max_tokens
 `logprobs` count -> `top_logprobs`, text content parts -> one string); jobs.jsonl_input types them.
 
 Body fields, as OpenAI treats them:
-- used: the sampling fields below (`ACCEPTED`), plus vLLM's extra sampling fields;
+- used: the sampling fields below (`ACCEPTED`), `response_format` on chat requests (structured
+  output: json_object, json_schema), plus vLLM's extra sampling fields (`guided_json` becomes a
+  json_schema response_format; `guided_regex`, `guided_choice`);
 - ignored, as they change nothing generated here: `IGNORED` (`stream` only when false);
 - refused, naming the line and field: OpenAI fields batchgen cannot honour (`UNSUPPORTED`: tools,
-  response formats, logit biases, ...) and any name OpenAI does not know either (it answers
+  logit biases, ...) and any name OpenAI does not know either (it answers
   "Unrecognized request argument" for those).
 
 Out: `output_line` turns one request's output rows (one per sample) into an OpenAI batch output
@@ -22,6 +24,7 @@ failed) or an `error` (`batch_cancelled`). Failed requests go to the errors file
 from __future__ import annotations
 
 import hashlib
+import json
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -30,14 +33,16 @@ LINE_KEYS = ("custom_id", "method", "url", "body")
 
 _SAMPLING = ("model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "logprobs",
              "presence_penalty", "frequency_penalty")
-_VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "priority")
+_VLLM_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "priority", "guided_regex",
+                "guided_choice", "guided_json")
 ACCEPTED = {
-    CHAT_URL: frozenset((*_SAMPLING, *_VLLM_EXTRAS, "messages", "max_completion_tokens", "top_logprobs")),
+    CHAT_URL: frozenset((*_SAMPLING, *_VLLM_EXTRAS, "messages", "max_completion_tokens", "top_logprobs",
+                         "response_format")),
     COMPLETIONS_URL: frozenset((*_SAMPLING, *_VLLM_EXTRAS, "prompt")),
 }
 IGNORED = frozenset(("user", "metadata", "store", "service_tier", "stream", "stream_options"))
 UNSUPPORTED = frozenset((
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
     "logit_bias", "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "suffix",
     "echo", "best_of",
 ))
@@ -93,9 +98,25 @@ def _body_values(body: dict, url: str) -> dict:
         else:
             raise RequestLineError(f"body.{key}: unrecognized request argument (OpenAI refuses it too)")
     values.pop("model", None)
+    _guided_json(values)
     if url == CHAT_URL:
         return _chat_values(values)
     return _completion_values(values)
+
+
+def _guided_json(values: dict) -> None:
+    """vLLM's `guided_json` (a schema) as the response_format it means."""
+    schema = values.pop("guided_json", None)
+    if schema is None:
+        return
+    if "response_format" in values:
+        raise RequestLineError("body.guided_json and body.response_format are both set; give one")
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise RequestLineError(f"body.guided_json is not JSON ({exc.msg})") from None
+    values["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
 
 
 def _chat_values(values: dict) -> dict:

@@ -14,11 +14,17 @@ columns; a null cell means "use the default". Column names follow OpenAI/vLLM: `
 row, each an output row of its own), `logprobs` (true, or vLLM's count of alternatives) and
 `top_logprobs`, `min_p` and the presence/frequency/repetition penalties. `n` shapes the output,
 so an `n` outside [1, MAX_N] is an input error, not an error row.
+
+Structured output columns (one per row at most; a row that sets one replaces the job's default):
+`response_format` (OpenAI's object, as JSON text), `guided_regex` (a string),
+`guided_choice` (a list of strings). A malformed one, or a schema or regex the grammar engine
+refuses, is an input error naming the row: it would fail every sample of the row alike.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -29,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import check, constraint_from
 
 # optional per-row sampling columns -> the kind of Arrow type they must have
 SAMPLING_COLUMNS: dict[str, str] = {
@@ -36,7 +43,9 @@ SAMPLING_COLUMNS: dict[str, str] = {
     "presence_penalty": "float", "frequency_penalty": "float", "repetition_penalty": "float",
     "seed": "int", "stop": "stop", "ignore_eos": "bool", "priority": "int", "n": "int",
     "logprobs": "logprobs", "top_logprobs": "int",
+    "response_format": "format", "guided_regex": "regex", "guided_choice": "choice",
 }
+CONSTRAINT_COLUMNS = ("response_format", "guided_regex", "guided_choice")
 # output columns an input column may not shadow (it would be ambiguous in `outputs`)
 OUTPUT_COLUMNS = ("job_id", "request_id", "sample_index", "output_text", "finish_reason", "prompt_tokens",
                   "output_tokens", "error", "model")
@@ -182,11 +191,16 @@ _TYPE_OK = {
     "bool": lambda t: pa.types.is_boolean(t) or pa.types.is_null(t),
     "stop": lambda t: _is_str(t) or (_is_list(t) and _is_str(t.value_type)) or pa.types.is_null(t),
     "logprobs": lambda t: pa.types.is_boolean(t) or _is_int_like(t),
+    "format": lambda t: _is_str(t) or pa.types.is_null(t),
+    "regex": lambda t: _is_str(t) or pa.types.is_null(t),
+    "choice": lambda t: (_is_list(t) and _is_str(t.value_type)) or pa.types.is_null(t),
 }
 _TYPE_NAMES = {
     "str": "a string", "messages": "a list of struct<role: string, content: string>",
     "id": "an integer or a string", "int": "an integer", "float": "a number", "bool": "a boolean",
     "stop": "a string or a list of strings", "logprobs": "a boolean or an integer",
+    "format": "a string of JSON (OpenAI's response_format object)", "regex": "a string",
+    "choice": "a list of strings",
 }
 _COLUMN_KINDS = {"prompt": "str", "messages": "messages", "id": "id", **SAMPLING_COLUMNS}
 
@@ -223,9 +237,11 @@ class RequestIds:
         return ids
 
 
-def check_sampling_values(batch: pa.RecordBatch, path: Path, file_row0: int) -> int:
-    """Integer columns stored as floats must hold whole numbers (else it is a wrong type), and `n`
-    must be in [1, MAX_N]. Returns the largest `n` of the batch (1 without an `n` column)."""
+def check_sampling_values(batch: pa.RecordBatch, path: Path, file_row0: int,
+                          lines: list[int] | None = None) -> int:
+    """Integer columns stored as floats must hold whole numbers (else it is a wrong type), `n`
+    must be in [1, MAX_N], structured output constraints must compile. Returns the largest `n` of
+    the batch (1 without an `n` column)."""
     names = batch.schema.names
     for name, kind in SAMPLING_COLUMNS.items():
         if kind not in ("int", "logprobs") or name not in names:
@@ -236,6 +252,7 @@ def check_sampling_values(batch: pa.RecordBatch, path: Path, file_row0: int) -> 
             if value is not None and not (math.isfinite(value) and float(value).is_integer()):
                 raise InputError(f"{path} row {file_row0 + i}: column {name!r} must be an integer, "
                                  f"got {value!r}")
+    check_constraints(batch, path, file_row0, lines)
     if "n" not in names:
         return 1
     values = batch.column("n").to_pylist()
@@ -244,6 +261,24 @@ def check_sampling_values(batch: pa.RecordBatch, path: Path, file_row0: int) -> 
             raise InputError(f"{path} row {file_row0 + i}: column 'n' must be an integer in [1, {MAX_N}], "
                              f"got {value!r}")
     return int(max((v for v in values if v is not None), default=1))
+
+
+def check_constraints(batch: pa.RecordBatch, path: Path, file_row0: int, lines: list[int] | None) -> None:
+    """Each row's structured output constraint is well formed and its schema or regex compiles
+    (once per distinct constraint); InputError names the row (or JSONL line)."""
+    given = [name for name in CONSTRAINT_COLUMNS if name in batch.schema.names]
+    if not given:
+        return
+    columns = {name: batch.column(name).to_pylist() for name in given}
+    for i in range(batch.num_rows):
+        cells = {name: columns[name][i] for name in given if columns[name][i] is not None}
+        if not cells:
+            continue
+        try:
+            check(constraint_from(**{name: _cell(name, v) for name, v in cells.items()}))
+        except ValueError as exc:
+            where = f"{path} line {lines[i]}" if lines else f"{path} row {file_row0 + i}"
+            raise InputError(f"{where}: {exc}") from None
 
 
 @dataclass
@@ -265,7 +300,7 @@ def sampling_defaults(**given: Any) -> dict:
         raise InputError(f"unknown sampling parameter(s) {unknown}")
     defaults = {k: v for k, v in given.items() if v is not None}
     try:
-        sampling_params(defaults)
+        check(sampling_params(defaults)[0].constraint)
     except (TypeError, ValueError) as exc:
         raise InputError(f"job sampling defaults: {exc}") from exc
     return defaults
@@ -300,7 +335,12 @@ def _top_n(logprobs: bool | int | None, top: int | None) -> int | None:
 
 def row_request(row: dict, defaults: dict) -> RowRequest:
     """Turn one input row (a dict of its cells) into a RowRequest; bad rows get an error."""
-    overrides = {k: _cell(k, row[k]) for k in SAMPLING_COLUMNS if row.get(k) is not None}
+    try:
+        overrides = {k: _cell(k, row[k]) for k in SAMPLING_COLUMNS if row.get(k) is not None}
+    except ValueError as exc:
+        return RowRequest(None, None, None, f"invalid sampling parameters: {exc}")
+    if any(k in overrides for k in CONSTRAINT_COLUMNS):  # the row's constraint replaces the job's
+        defaults = {k: v for k, v in defaults.items() if k not in CONSTRAINT_COLUMNS}
     messages = row.get("messages")
     prompt = row.get("prompt")
     if messages is None and prompt is None:
@@ -331,7 +371,18 @@ def _cell(name: str, value: Any) -> Any:
         return float(value)
     if kind == "stop":
         return [value] if isinstance(value, str) else [s for s in value if s is not None]
+    if kind == "format":
+        return _json_value(name, value)
+    if kind in ("regex", "choice"):
+        return value
     return bool(value)
+
+
+def _json_value(name: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is not JSON ({exc.msg} at column {exc.colno})") from None
 
 
 def _check_messages(messages: list) -> str | None:

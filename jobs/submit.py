@@ -208,7 +208,7 @@ def _read_file(source: _InputFile, writer: ShardWriter, ids: RequestIds) -> int:
         except Exception as exc:  # noqa: BLE001 - pyarrow raises many kinds for a damaged file
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise InputError(f"{source.path}: unreadable after row {file_row} ({first_line})") from exc
-        max_n = max(max_n, check_sampling_values(batch, source.path, file_row))
+        max_n = max(max_n, check_sampling_values(batch, source.path, file_row, lines))
         writer.add(batch, ids.take(batch, source.path, file_row, lines))
         file_row += batch.num_rows
 

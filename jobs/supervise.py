@@ -174,7 +174,7 @@ def _requeue_job(manifest: JobManifest, store: Store, broker: BrokerSettings) ->
     if done == len(manifest.shards):
         _FINISHED.add((manifest.data_dir, manifest.job_id))
         return requeued
-    return requeued + _republish_lost(manifest, ledger, broker, claims)
+    return requeued + _republish_lost(manifest, store, broker, leases, claims)
 
 
 # ---------------------------------------------------------------- lost messages
@@ -214,7 +214,7 @@ def waiting_since(manifest: JobManifest, leases: ShardLeases, shard_id: int,
     return max(since, leases.last_republished(shard_id))
 
 
-def _republish_lost(manifest: JobManifest, ledger: ShardLedger, broker: BrokerSettings,
+def _republish_lost(manifest: JobManifest, store: Store, broker: BrokerSettings, leases: ShardLeases,
                     claims: dict[int, list[int]]) -> list[tuple[str, int]]:
     """Publish again each shard that has waited longer than republish_after_s() while the broker
     holds no message for it (flushed, failed over). A duplicate is harmless: one claim runs at a
@@ -224,7 +224,7 @@ def _republish_lost(manifest: JobManifest, ledger: ShardLedger, broker: BrokerSe
     now, limit = time.time(), republish_after_s()
     stale = {}
     for info in manifest.shards:
-        since = waiting_since(manifest, ledger.leases, info.shard_id, claims.get(info.shard_id, []))
+        since = waiting_since(manifest, leases, info.shard_id, claims.get(info.shard_id, []))
         if since is not None and now - since > limit:
             stale[info.shard_id] = since
     if not stale:
@@ -235,19 +235,21 @@ def _republish_lost(manifest: JobManifest, ledger: ShardLedger, broker: BrokerSe
         return []  # the broker cannot be read without consuming (RabbitMQ): no guessing
     return [(manifest.job_id, shard_id) for shard_id, since in sorted(stale.items())
             if (manifest.job_id, shard_id) not in live
-            and _republish(manifest, ledger, target, shard_id, since, claims.get(shard_id, []))]
+            and _republish(manifest, store, target, leases, shard_id, since, claims.get(shard_id, []))]
 
 
-def _republish(manifest: JobManifest, ledger: ShardLedger, target: BrokerSettings, shard_id: int,
-               since: float, attempts: list[int]) -> bool:
+def _republish(manifest: JobManifest, store: Store, target: BrokerSettings, leases: ShardLeases,
+               shard_id: int, since: float, attempts: list[int]) -> bool:
     from jobs.celery_app import publish_shard
 
-    if ledger.store.committed(manifest.job_id, shard_id) is not None or not ledger.take_lost(shard_id, since):
+    if store.committed(manifest.job_id, shard_id) is not None:
+        return False
+    if not ShardLedger(manifest.data_dir, manifest.job_id, store, leases).take_republish(shard_id, since):
         return False
     log.warning("job %s shard %d: waiting %.0f s with no message in %s queue %r; re-publishing it",
                 manifest.job_id, shard_id, time.time() - since, target.display_url, target.queue)
     publish_shard(target, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir,
-                  retries=retries_used(ledger.leases, shard_id, attempts))
+                  retries=retries_used(leases, shard_id, attempts))
     return True
 
 

@@ -9,7 +9,7 @@
   // every quantity drawn is >= 0: start the y axis at 0 so heights compare
   const fromZero = { range: (u, lo, hi) => [0, hi > 0 ? hi * 1.08 : 1] };
   const timeX = { x: { time: true }, y: fromZero };
-  // the four time charts share one x range: zoom one, all follow (bg.timeGroup)
+  // the time charts share one x range: zoom one, all follow (bg.timeGroup)
   const timeline = bg.timeGroup("job-time");
   const xAxis = bg.timeAxis;
   const yAxis = (label, extra = {}) => ({ ...axisStyle, label, labelSize: 18, size: bg.fitAxisSize, values: (u, v) => v.map(fmt.compact), ...extra });
@@ -77,6 +77,20 @@
     }, s.ts ? [s.ts, s.kv_blocks_used, s.kv_blocks_total, s.num_preempted] : [[]], "no engine iterations yet");
   }
 
+  function drawStructured(it) {
+    const s = it.series;
+    const maskMs = s.mask_fill_s ? s.mask_fill_s.map((v) => v * 1000) : [];
+    timeChart("chart-structured", {
+      scales: { ...timeX, ms: { range: (u, lo, hi) => [0, hi > 0 ? hi * 1.2 : 1] } },
+      series: [{},
+        area("constrained seqs", colors.teal, { paths: steps, value: valueFmt(1) }),
+        stepLine("mask fill ms / iteration", colors.orange, { scale: "ms", value: valueFmt(2) })],
+      axes: [xAxis, yAxis("sequences"),
+        { ...axisStyle, scale: "ms", side: 1, label: "mask fill ms", labelSize: 18, size: bg.fitAxisSize,
+          grid: { show: false }, values: (u, v) => v.map(fmt.compact) }],
+    }, s.ts ? [s.ts, s.num_constrained_seqs, maskMs] : [[]], "no engine iterations yet");
+  }
+
   function drawHistogram(metric, d) {
     const h = d.histogram || { lo: [], count: [] };
     const centers = h.lo.map((lo) => lo + h.width / 2);
@@ -118,8 +132,8 @@
     return Promise.all([
       load(root.dataset.apiThroughput, drawThroughput, ["chart-throughput"]),
       load(root.dataset.apiIterations, (it) => {
-        drawConcurrency(it); drawBudget(it); drawKv(it); iterationsNote(it);
-      }, ["chart-concurrency", "chart-budget", "chart-kv"]),
+        drawConcurrency(it); drawBudget(it); drawKv(it); drawStructured(it); iterationsNote(it);
+      }, ["chart-concurrency", "chart-budget", "chart-kv", "chart-structured"]),
       load(root.dataset.apiLatency, (lat) => {
         for (const metric of ["ttft_s", "itl_s", "e2e_s"]) drawHistogram(metric, lat[metric]);
       }, ["chart-ttft_s", "chart-itl_s", "chart-e2e_s"]),

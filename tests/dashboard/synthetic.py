@@ -67,7 +67,7 @@ def _write_iterations(store: Store, rng: random.Random, worker: str, n: int, t0:
             worker, it, t0 + it * STEP_S, STEP_S * 0.9, running, rng.randint(0, 300), running,
             int(prefill > 0), running - int(prefill > 0), prefill, running - int(prefill > 0),
             prefill + running - int(prefill > 0), BUDGET, MAX_SEQS, rng.randint(100, KV_TOTAL), KV_TOTAL,
-            int(rng.random() < 0.01), rng.randint(0, 2), 0, [JOB_ID]))
+            int(rng.random() < 0.01), rng.randint(0, 2), 0, [JOB_ID], running // 4, running * 2e-5))
     buf.close()
 
 

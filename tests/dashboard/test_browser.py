@@ -32,7 +32,7 @@ LAUNCH_ARGS = [
     "--disable-component-update", "--disable-sync",
     "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
 ]
-TIME_CHARTS = ["chart-throughput", "chart-concurrency", "chart-budget", "chart-kv"]
+TIME_CHARTS = ["chart-throughput", "chart-concurrency", "chart-budget", "chart-kv", "chart-structured"]
 JOB_CHARTS = [*TIME_CHARTS, "chart-ttft_s", "chart-itl_s", "chart-e2e_s"]
 
 # For each chart container: [id, points drawn, painted pixels of its canvas]

@@ -42,13 +42,17 @@ def test_a_bucket_is_each_workers_mean_summed(big, big_data_dir):
     i = len(s["ts"]) // 2
     lo = s["ts"][i]
     want = sql_one(big_data_dir, f"""
-        SELECT sum(running) AS running, sum(kv) AS kv, sum(n) AS n FROM (
-            SELECT worker_id, avg(num_running) AS running, avg(kv_blocks_used) AS kv, count(*) AS n
+        SELECT sum(running) AS running, sum(kv) AS kv, sum(n) AS n, sum(constrained) AS constrained,
+               sum(mask) AS mask FROM (
+            SELECT worker_id, avg(num_running) AS running, avg(kv_blocks_used) AS kv, count(*) AS n,
+                   avg(num_constrained_seqs) AS constrained, avg(mask_fill_s) AS mask
             FROM iterations WHERE list_contains(job_ids, '{JOB_ID}') AND ts >= {lo!r} AND ts < {lo + width!r}
             GROUP BY worker_id)""")
     assert s["iterations"][i] == want["n"]
     assert s["num_running"][i] == pytest.approx(want["running"])
     assert s["kv_blocks_used"][i] == pytest.approx(want["kv"])
+    assert s["num_constrained_seqs"][i] == pytest.approx(want["constrained"]) and want["constrained"] > 0
+    assert s["mask_fill_s"][i] == pytest.approx(want["mask"]) and want["mask"] > 0
     # fleet totals: two workers' budgets and KV caches
     assert s["token_budget"][i] == pytest.approx(2 * 2048)
     pairs = zip(s["scheduled_tokens"], s["token_budget"], strict=True)

@@ -8,7 +8,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from engine.bench import bench, make_workload, percentile
+from engine.bench import BenchResult, _print, bench, make_workload, percentile
 from engine.config import EngineConfig
 from jobs.store import connect
 from jobs.sweep import find_knee, first_slo_breach, parse_values, sweep
@@ -56,6 +56,20 @@ def test_bench_json_counts_every_token():
     wl = make_workload(6, (3, 12), (2, 6), 259, seed=0)
     assert engine["output_tokens"] == wl.output_tokens and engine["prompt_tokens"] == wl.prompt_tokens
     assert engine["output_tokens_per_s"] > 0 and 0 < engine["mfu"] < 5 and report["gemm_peak_flops"] > 0
+
+
+def test_bench_constrained_share_runs_plain_and_constrained_and_reports_the_cost(capsys):
+    args = ["--num-requests", "4", "--prompt-len", "3-8", "--output-len", "6", "--constrained-share", "0.5"]
+    result = CliRunner().invoke(bench, TINY + args + ["--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    plain, constrained = report["results"]
+    assert (plain["num_constrained"], plain["mask_fill_s"]) == (0, 0.0)
+    assert constrained["name"] == "constrained-0.5" and constrained["num_constrained"] == 2
+    assert constrained["mask_fill_s"] > 0 and constrained["output_tokens"] <= plain["output_tokens"] == 24
+    results = [BenchResult(**r) for r in report["results"]]
+    _print(results, report["gemm_peaks"], make_workload(4, (3, 8), (6, 6), 259), as_json=False)
+    assert "structured output: 2 of 4 requests constrained cost" in capsys.readouterr().out
 
 
 def test_bench_rejects_a_bad_range():

@@ -3,6 +3,8 @@ penalties follow vLLM's / OpenAI's rules, and seeded rows do not depend on their
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,7 @@ N = 4000
 def _seqs(params: SamplingParams, n: int, seed0: int = 0, outputs: list[int] | None = None) -> list[Sequence]:
     seqs = []
     for i in range(n):
-        p = SamplingParams(**{**params.__dict__, "seed": seed0 + i})
+        p = dataclasses.replace(params, seed=seed0 + i)
         seq = Sequence(str(i), [1, 2], p)
         for t in outputs or []:
             seq.append_token(t)

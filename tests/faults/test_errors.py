@@ -145,7 +145,9 @@ def test_disk_full_at_the_end_never_fails_a_completed_job(runtime, tmp_path, mon
     assert pq.read_table(out).num_rows == NUM_ROWS
     out.unlink()
 
-    monkeypatch.setattr(jobs.export.pq, "write_table", _no_space)  # and the output cannot be written
+    # and the output cannot be written (export's own writes only: pyarrow's write_table is also what
+    # the worker's telemetry flush calls, on its engine thread, at any moment)
+    monkeypatch.setattr(jobs.export, "_write_atomic", _no_space)
     assert _finish(m, out) == 0 and not out.exists()
     line = capsys.readouterr().err.strip().splitlines()[-1]
     how = f"batchgen export {m.job_id} --data-dir {m.data_dir} --output {out}"
