@@ -53,6 +53,10 @@ gpu-check:
 bench: setup
 	$(BATCHGEN) bench --num-requests 128 --prompt-len 16-256 --output-len 8-128 --baseline hf
 
+# Faults against a real job on Redis (kill -9, a broker flush, a full disk); minutes; not in `make test`
+soak: setup
+	PYTHONPATH=$(CURDIR) $(PY) scripts/soak.py $(SOAK_ARGS)
+
 # vLLM's CPU backend in a venv of its own (never part of `make test`), for `batchgen bench --baseline
 # vllm`. Same torch as ours; its torchvision/torchaudio/torchcodec are CUDA builds that fail to load
 # (a text model needs none of them). tcmalloc is optional (LD_PRELOADed by engine/vllm_baseline.py).
@@ -67,10 +71,6 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 vllm-baseline: $(VLLM_VENV)/.installed
-
-# Faults against a real job on Redis (kill -9, a broker flush, a full disk); minutes; not in `make test`
-soak: setup
-	PYTHONPATH=$(CURDIR) $(PY) scripts/soak.py $(SOAK_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -42,6 +42,7 @@ DEFAULT_CONFIG = {
     "SQL_MAX_CONCURRENT": DEFAULT_MAX_CONCURRENT,  # user queries at once (per data dir); beyond: 429
     "PAGE_QUERY_TIMEOUT_S": 30.0,  # the dashboard's own queries are interrupted after this long
     "PAGE_CACHE_ENTRIES": 256,  # query results kept while the store's files are unchanged (0: none)
+    "PAGE_CACHE_MAX_STALE_S": 30.0,  # while a newer result is computed, an older one this recent is served
     "MAX_POINTS": 2000,  # iteration series longer than this are bucketed on the server
     "REFRESH_S": 5,  # live pages poll this often while a job is queued or running
     "OUTPUT_SAMPLE_ROWS": 20,  # output rows shown on a job page
@@ -83,7 +84,9 @@ def _security_headers(response):
     response.headers.setdefault("Content-Security-Policy", CONTENT_SECURITY_POLICY)
     response.headers.setdefault("X-Content-Type-Options", "nosniff")
     response.headers.setdefault("X-Frame-Options", "DENY")
-    response.headers.setdefault("Referrer-Policy", "no-referrer")
+    # same-origin, not no-referrer: under no-referrer a browser sends `Origin: null` even on the
+    # page's own POSTs, and the origin check (dashboard.auth) could not tell them from a foreign one
+    response.headers.setdefault("Referrer-Policy", "same-origin")
     return response
 
 

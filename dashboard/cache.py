@@ -8,9 +8,12 @@ any new part, compacted file or deletion changes it. A request takes the fingerp
 its first query, and is served a result computed under the same fingerprint, or one whose query
 started after the request began listing: never one older than the files it saw.
 
-Requests that miss on the same key wait for the one computing it (one query per key at a time, not
-fifty), and take its result when that query started after they listed: while a job writes, the
-fingerprint changes every few hundred ms, and a burst of requests must not compute one by one.
+Requests that miss on the same key while another request computes it are served the previous
+result of that key at once, when it is at most `max_stale_s` older than their listing (a live page
+polls every few seconds; a query over a busy job's parts can take longer than the job takes to write
+its next part, so without this every request would wait for a whole computation). Otherwise they wait
+for the one computing it (one query per key at a time, not fifty) and take its result when that query
+started after they listed. A lone client always gets a result as new as what it listed.
 Queries whose answer depends on the clock (`cache=False`, e.g. a worker's recent tokens/s) are not
 kept; clock-derived fields (elapsed, ETA) are computed after the query, per request.
 """
@@ -29,6 +32,7 @@ from typing import Any
 from jobs.store import QueryResult
 
 DEFAULT_ENTRIES = 256
+DEFAULT_MAX_STALE_S = 30.0
 
 
 def store_fingerprint(tables_dir: str | os.PathLike) -> str:
@@ -76,13 +80,16 @@ class _Entry:
 class QueryCache:
     """LRU of (sql, params) -> the latest result; one computation per key at a time."""
 
-    def __init__(self, max_entries: int = DEFAULT_ENTRIES) -> None:
+    def __init__(self, max_entries: int = DEFAULT_ENTRIES, max_stale_s: float = DEFAULT_MAX_STALE_S) -> None:
         self.max_entries = max_entries
+        self.max_stale_s = max_stale_s  # how much older than a request's listing a result it is served may
+        # be while a newer one is being computed
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._computing: dict[tuple, threading.Lock] = {}  # key -> held while one request computes it
         self._lock = threading.Lock()  # guards both dicts
         self.hits = 0
         self.misses = 0
+        self.stale = 0  # served the previous result while a newer one was being computed
 
     def get(self, sql: str, params: Any, listing: Listing, compute: Callable[[], QueryResult]) -> QueryResult:
         key = (sql, _frozen(params))
@@ -91,6 +98,11 @@ class QueryCache:
             if found is not None:
                 return found
             key_lock = self._computing.setdefault(key, threading.Lock())
+            previous = self._entries.get(key)
+            recent = previous is not None and previous.started >= listing.started - self.max_stale_s
+            if key_lock.locked() and recent:
+                self.stale += 1
+                return previous.result
         with key_lock:
             with self._lock:
                 found = self._lookup(key, listing)  # computed while we waited

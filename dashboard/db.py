@@ -63,7 +63,8 @@ class ViewSource:
 def init_app(app: Flask) -> None:
     app.extensions["batchgen_views"] = ViewSource(app.config["DATA_DIR"])
     entries = app.config["PAGE_CACHE_ENTRIES"]
-    app.extensions["batchgen_query_cache"] = QueryCache(entries) if entries else None
+    kept = QueryCache(entries, app.config["PAGE_CACHE_MAX_STALE_S"]) if entries else None
+    app.extensions["batchgen_query_cache"] = kept
     app.teardown_appcontext(close_db)
 
 

@@ -73,9 +73,9 @@ class BenchResult:
     mean_budget_utilisation: float = 0.0  # scheduled_tokens / token_budget per iteration
     num_preemptions: int = 0
     num_iterations: int = 0
-    peak_rss_mb: float = 0.0  # the engine's process (all of vLLM's, for its baseline) at its highest
     num_constrained: int = 0  # requests with a JSON schema constraint
     mask_fill_s: float = 0.0  # time filling their grammar masks, all iterations
+    peak_rss_mb: float = 0.0  # the engine's process (all of vLLM's, for its baseline) at its highest
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -266,7 +266,8 @@ def format_table(results: list[BenchResult]) -> str:
             ("processed_tokens_per_s", "{:.1f}"), ("mfu", "{:.3f}"), ("ttft_p50_s", "{:.3f}"),
             ("ttft_p99_s", "{:.3f}"), ("itl_p50_s", "{:.4f}"), ("itl_p99_s", "{:.4f}"),
             ("mean_running", "{:.1f}"), ("mean_budget_utilisation", "{:.2f}"), ("num_preemptions", "{}"),
-            ("num_constrained", "{}"), ("mask_fill_s", "{:.3f}"), ("peak_rss_mb", "{:.0f}")]
+            ("num_constrained", "{}"), ("mask_fill_s", "{:.3f}"),
+            ("peak_rss_mb", "{:.0f}")]
     rows = [[c for c, _ in cols]] + [[f.format(getattr(r, c)) for c, f in cols] for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows)
@@ -349,17 +350,14 @@ def _hf_dir(model: str) -> str:
     return str(resolved.path)
 
 
-def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json: bool,
-           config=None) -> None:
+def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json: bool, config) -> None:
     peak = max(peaks.values())
     if as_json:
-        report = {"gemm_peak_flops": peak, "gemm_peaks": peaks, "results": [asdict(r) for r in results]}
-        if config is not None:
-            report |= {"dtype": config.dtype, "dtype_reason": config.dtype_reason}
+        report = {"gemm_peak_flops": peak, "gemm_peaks": peaks, "dtype": config.dtype,
+                  "dtype_reason": config.dtype_reason, "results": [asdict(r) for r in results]}
         click.echo(json.dumps(report, indent=2))
         return
-    if config is not None:
-        click.echo(f"dtype: {config.dtype} ({config.dtype_reason})")
+    click.echo(f"dtype: {config.dtype} ({config.dtype_reason})")
     click.echo(f"workload: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt tokens, "
                f"{workload.output_tokens} output tokens (seed {workload.seed})")
     each = ", ".join(f"{name} {value / 1e9:.1f}" for name, value in peaks.items())

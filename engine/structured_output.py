@@ -19,9 +19,12 @@ import json
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch only where masks are applied: job validation and the store import this module
+    import torch
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 MAX_COMPILED = 1024  # compiled grammars kept (a job with a schema per row must not grow without bound)
@@ -201,6 +204,8 @@ class StructuredOutputs:
         The masks of the step's constrained rows go into one host buffer (row i for sequence i).
         On CPU xgrammar's kernel applies them to the logits (in place when `in_place`, else to a
         copy); elsewhere they go up in one copy and are applied as one batched torch op."""
+        import torch
+
         t0 = time.perf_counter()
         num_rows = logits.shape[0]
         host = staging.buffer("grammar_bitmask", num_rows * self.words, torch.int32)
@@ -247,6 +252,8 @@ def apply_bitmask(logits: torch.Tensor, words: torch.Tensor, index: torch.Tensor
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(R, W) int32 bitmask (bit b of word w = token 32w + b) -> (R, vocab_size) bool."""
+    import torch
+
     shifts = torch.arange(32, device=words.device, dtype=torch.int32)
     bits = (words.unsqueeze(-1) >> shifts) & 1  # (R, W, 32)
     return bits.view(words.shape[0], -1)[:, :vocab_size].bool()

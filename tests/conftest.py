@@ -5,9 +5,6 @@ from hypothesis import settings
 # The Triton interpreter runs kernels on CPU tensors. Triton reads this flag when a @triton.jit
 # function is defined, so it must be set before anything imports kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# dtype "auto" on the CPU follows the CPU's features (bf16 where native): pinned to fp32 here so the
-# suite's results do not depend on the machine that runs it
-os.environ.setdefault("BATCHGEN_CPU_DTYPE", "float32")
 
 # Hypothesis reads no config file, so its profiles live here. In CI (any non-empty $CI) every
 # property test draws the same examples on every run (derandomize: the seed comes from the test's
@@ -16,3 +13,7 @@ os.environ.setdefault("BATCHGEN_CPU_DTYPE", "float32")
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+# dtype "auto" on the CPU follows the CPU's features (bf16 where native): pinned to fp32 here so the
+# suite's results do not depend on the machine that runs it
+os.environ.setdefault("BATCHGEN_CPU_DTYPE", "float32")

@@ -30,6 +30,7 @@ from pathlib import Path
 JOB = "load-job"
 WORKER = "load-worker"
 ROWS_PER_SHARD = 50
+NO_AUTO_FLUSH_S = 3600.0  # iterations are flushed once per shard (one part), as a worker's buffer does
 ENDPOINTS = ("/api/jobs/{job}", "/api/jobs/{job}/iterations", "/api/jobs/{job}/throughput",
              "/api/jobs/{job}/latency", "/api/jobs/{job}/outputs")
 
@@ -65,7 +66,7 @@ def seed(data_dir: str, shards: int, total_shards: int) -> None:
     t0 = time.time() - 600
     store.record_job(JobRecord(JOB, "tiny-random", total_shards * ROWS_PER_SHARD, total_shards, t0))
     store.record_shard_events([ShardEvent(JOB, s, "queued", t0) for s in range(total_shards)])
-    with store.telemetry_buffer(WORKER, flush_interval_s=0.0) as telemetry:
+    with store.telemetry_buffer(WORKER, flush_interval_s=NO_AUTO_FLUSH_S) as telemetry:
         for shard_id in range(shards):
             write_shard(store, shard_id, telemetry, t0 + shard_id)
     compact_job(data_dir, JOB, force=True)
@@ -77,7 +78,7 @@ def writer(data_dir: str, first_shard: int, total_shards: int, every_s: float, s
     from jobs.store.parts import Store
 
     store = Store(data_dir)
-    with store.telemetry_buffer(WORKER, flush_interval_s=0.0) as telemetry:
+    with store.telemetry_buffer(WORKER, flush_interval_s=NO_AUTO_FLUSH_S) as telemetry:
         for shard_id in range(first_shard, total_shards):
             if os.path.exists(stop_file):
                 return
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="rounds per server, alternating")
     parser.add_argument("--requests", type=int, default=2, help="GETs per client per round")
     parser.add_argument("--shards", type=int, default=40, help="committed shards before the writer starts")
-    parser.add_argument("--write-every", type=float, default=0.5, help="seconds between the writer's shards")
+    parser.add_argument("--write-every", type=float, default=1.0, help="seconds between the writer's shards")
     parser.add_argument("--threads", type=int, default=8, help="waitress threads of each server")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a request is an error")
     args = parser.parse_args(argv)

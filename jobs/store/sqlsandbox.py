@@ -127,12 +127,12 @@ def _run_child(root: Path, sql: str, limits: SqlLimits) -> QueryResult:
         proc = subprocess.Popen([sys.executable, "-m", "jobs.store.sqlsandbox"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=stderr, env=env, start_new_session=True)
         try:
-            reply, overflow = _exchange(proc, json.dumps(request).encode(), deadline + KILL_GRACE_S,
-                                        limits.max_result_bytes + _REPLY_OVERHEAD)
+            reply, ended = _exchange(proc, json.dumps(request).encode(), deadline + KILL_GRACE_S,
+                                     limits.max_result_bytes + _REPLY_OVERHEAD)
         finally:
             _reap(proc)
         stderr.seek(0)
-        return _answer(reply, overflow, proc.returncode, stderr.read()[-2000:], limits)
+        return _answer(reply, ended, proc.returncode, stderr.read()[-2000:], limits)
 
 
 def _import_root() -> str:
@@ -140,16 +140,17 @@ def _import_root() -> str:
     return str(Path(__file__).resolve().parents[2])
 
 
-def _exchange(proc: subprocess.Popen, request: bytes, kill_at: float, cap: int) -> tuple[bytes, bool]:
-    """Send the request, read at most `cap` bytes of the reply; kill the child at `kill_at`."""
+def _exchange(proc: subprocess.Popen, request: bytes, kill_at: float, cap: int) -> tuple[bytes, str]:
+    """Send the request, read at most `cap` bytes of the reply; kill the child at `kill_at`. The reply,
+    and how it ended: 'exited', 'overflow' (killed past `cap`) or 'timeout' (killed at `kill_at`)."""
     chunks: list[bytes] = []
-    state = {"size": 0, "overflow": False}
+    state = {"size": 0, "ended": "exited"}
 
     def read() -> None:
         while chunk := proc.stdout.read1(1 << 16):
             state["size"] += len(chunk)
             if state["size"] > cap:
-                state["overflow"] = True
+                state["ended"] = "overflow"
                 proc.kill()
                 return
             chunks.append(chunk)
@@ -164,9 +165,10 @@ def _exchange(proc: subprocess.Popen, request: bytes, kill_at: float, cap: int) 
     try:
         proc.wait(timeout=max(kill_at - time.time(), 0.0))
     except subprocess.TimeoutExpired:
+        state["ended"] = "timeout"
         proc.kill()
     reader.join(5.0)
-    return b"".join(chunks), state["overflow"]
+    return b"".join(chunks), state["ended"]
 
 
 def _reap(proc: subprocess.Popen) -> None:
@@ -176,10 +178,10 @@ def _reap(proc: subprocess.Popen) -> None:
     proc.stdout.close()
 
 
-def _answer(reply: bytes, overflow: bool, returncode: int, stderr: bytes, limits: SqlLimits) -> QueryResult:
-    if overflow:
+def _answer(reply: bytes, ended: str, returncode: int, stderr: bytes, limits: SqlLimits) -> QueryResult:
+    if ended == "overflow":
         raise ResultTooLarge(_too_large(limits.max_result_bytes))
-    if returncode == -signal.SIGKILL and not reply:
+    if ended == "timeout":
         raise QueryTimeout(f"query ran past its {limits.timeout_s:g} s limit and was stopped")
     if not reply:
         raise QueryOutOfMemory(

@@ -68,7 +68,8 @@ def test_bench_constrained_share_runs_plain_and_constrained_and_reports_the_cost
     assert constrained["name"] == "constrained-0.5" and constrained["num_constrained"] == 2
     assert constrained["mask_fill_s"] > 0 and constrained["output_tokens"] <= plain["output_tokens"] == 24
     results = [BenchResult(**r) for r in report["results"]]
-    _print(results, report["gemm_peaks"], make_workload(4, (3, 8), (6, 6), 259), as_json=False)
+    _print(results, report["gemm_peaks"], make_workload(4, (3, 8), (6, 6), 259), as_json=False,
+           config=EngineConfig())
     assert "structured output: 2 of 4 requests constrained cost" in capsys.readouterr().out
 
 

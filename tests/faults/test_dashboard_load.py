@@ -40,7 +40,7 @@ def test_a_new_part_invalidates_the_cache(data_dir):
     assert rows_done(client) == 4 * loadbench.ROWS_PER_SHARD
     assert cache.misses == misses and cache.hits > 0  # nothing changed: served from the cache
     store = Store(data_dir)
-    with store.telemetry_buffer(loadbench.WORKER, flush_interval_s=0.0) as telemetry:
+    with store.telemetry_buffer(loadbench.WORKER, flush_interval_s=loadbench.NO_AUTO_FLUSH_S) as telemetry:
         loadbench.write_shard(store, 4, telemetry, time.time())
     assert rows_done(client) == 5 * loadbench.ROWS_PER_SHARD  # the new parts are seen at once
     assert cache.misses > misses
@@ -83,7 +83,8 @@ def test_fifty_concurrent_clients_while_the_job_writes_get_no_errors(data_dir):
 
     def write() -> None:
         store = Store(data_dir)
-        with store.telemetry_buffer(loadbench.WORKER, flush_interval_s=0.0) as telemetry:
+        flush_s = loadbench.NO_AUTO_FLUSH_S
+        with store.telemetry_buffer(loadbench.WORKER, flush_interval_s=flush_s) as telemetry:
             for shard in range(4, SHARDS):
                 if done.is_set():
                     return
@@ -112,3 +113,35 @@ def test_job_record_and_events_alone(tmp_path):
     for _ in range(2):
         job = client.get("/api/jobs/queued-job").json["job"]
         assert (job["status"], job["rows_done"]) == ("queued", 0)
+
+
+def test_while_a_newer_result_is_computed_the_previous_one_is_served():
+    from dashboard.cache import Listing, QueryCache
+    from jobs.store import QueryResult
+
+    def result(n: int) -> QueryResult:
+        return QueryResult(["n"], [(n,)], False, 0.0)
+
+    cache = QueryCache(max_stale_s=30.0)
+    t0 = time.monotonic()
+    assert cache.get("q", {"job_id": "j"}, Listing("a", t0), lambda: result(1)).rows == [(1,)]
+    release, computing = threading.Event(), threading.Event()
+
+    def slow() -> QueryResult:
+        computing.set()
+        release.wait(10)
+        return result(2)
+
+    fresh = []
+    listing_b = Listing("b", t0 + 1)
+    thread = threading.Thread(target=lambda: fresh.append(cache.get("q", {"job_id": "j"}, listing_b, slow)))
+    thread.start()
+    assert computing.wait(10)
+    assert cache.get("q", {"job_id": "j"}, Listing("c", t0 + 2), lambda: result(3)).rows == [(1,)]
+    assert cache.stale == 1
+    release.set()
+    thread.join()
+    assert fresh[0].rows == [(2,)]  # the request that computed gets what it listed
+    assert cache.get("q", {"job_id": "j"}, Listing("b", t0 + 3), lambda: result(4)).rows == [(2,)]
+    # too old to serve while computing: the request waits for (or makes) a result as new as its listing
+    assert cache.get("q", {"job_id": "j"}, Listing("d", t0 + 100), lambda: result(5)).rows == [(5,)]
