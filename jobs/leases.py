@@ -44,16 +44,31 @@ _CLAIM_RE = re.compile(r"^shard-(\d{6})\.a(\d{3,})\.claim$")
 
 def lease_ttl_s() -> float:
     """The lease time-to-live in force ($BATCHGEN_LEASE_TTL_S, else 30 s)."""
-    raw = os.environ.get(LEASE_TTL_ENV)
+    return env_seconds(LEASE_TTL_ENV, DEFAULT_LEASE_TTL_S)
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A duration from the environment (> 0), else `default`; a bad value names the variable."""
+    raw = os.environ.get(name)
     if not raw:
-        return DEFAULT_LEASE_TTL_S
+        return default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{LEASE_TTL_ENV} must be a number of seconds, got {raw!r}") from None
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
     if value <= 0:
-        raise ValueError(f"{LEASE_TTL_ENV} must be > 0, got {raw!r}")
+        raise ValueError(f"{name} must be > 0, got {raw!r}")
     return value
+
+
+def _create_once(path: Path) -> bool:
+    """Create `path` with O_EXCL: True for exactly one caller."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
 
 
 @dataclass
@@ -178,11 +193,8 @@ class ShardLeases:
         if latest is not None and latest.alive(now, self.ttl_s):
             return None
         attempt = attempts[-1] + 1 if attempts else 1
-        try:
-            fd = os.open(self._claim(shard_id, attempt), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
+        if not _create_once(self._claim(shard_id, attempt)):
             return None  # another delivery claimed it a moment ago
-        os.close(fd)
         lease = Lease(self, shard_id, LeaseState(worker_id, socket.gethostname(), os.getpid(), attempt,
                                                  "running", now, now))
         try:
@@ -194,12 +206,7 @@ class ShardLeases:
 
     def mark_requeued(self, shard_id: int, attempt: int) -> bool:
         """True for exactly one caller per dead attempt: that caller re-queues the shard."""
-        try:
-            fd = os.open(self._requeued(shard_id, attempt), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        os.close(fd)
-        return True
+        return _create_once(self._requeued(shard_id, attempt))
 
 
     # -- re-publishing a waiting shard whose message was lost (jobs.supervise)
@@ -216,12 +223,7 @@ class ShardLeases:
     def mark_republished(self, shard_id: int, since: float) -> bool:
         """True for exactly one caller per (shard, waiting since): that caller re-publishes it."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(self._republished(shard_id, since), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return False
-        os.close(fd)
-        return True
+        return _create_once(self._republished(shard_id, since))
 
 
 class Lease:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.broker import BrokerSettings
-from jobs.leases import AttemptView, ShardLeases
+from jobs.leases import AttemptView, ShardLeases, env_seconds
 from jobs.ledger import ShardLedger
 from jobs.manifest import JobManifest, JobPaths, list_job_ids, load_manifest
 from jobs.store import Store
@@ -187,14 +187,7 @@ WAITING_ENDS = ("handed_back", "superseded", "skipped")  # an attempt that ended
 def republish_after_s() -> float:
     """How long a shard may wait unclaimed before its message is looked for in the broker
     ($BATCHGEN_REPUBLISH_AFTER_S, default 120 s)."""
-    raw = os.environ.get(REPUBLISH_AFTER_ENV) or str(DEFAULT_REPUBLISH_AFTER_S)
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{REPUBLISH_AFTER_ENV} must be a number of seconds, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{REPUBLISH_AFTER_ENV} must be > 0, got {raw!r}")
-    return value
+    return env_seconds(REPUBLISH_AFTER_ENV, DEFAULT_REPUBLISH_AFTER_S)
 
 
 def waiting_since(manifest: JobManifest, leases: ShardLeases, shard_id: int,
