@@ -117,10 +117,10 @@ def parse_config(text: str | None) -> dict:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def job_worker_configs(job_id: str) -> list[dict]:
-    """The engine config each worker that ran the job's shards serves, from its own record (what it
-    really runs: a job never sets engine limits); [] before any worker took a shard."""
-    seen = {r["worker_id"] for r in job_shards(job_id) if r.get("worker_id")}
+def job_worker_configs(shards: list[dict]) -> list[dict]:
+    """The engine config each worker that ran these shards (a job's `job_shards`) serves, from its own
+    record (what it really runs: a job never sets engine limits); [] before any worker took a shard."""
+    seen = {r["worker_id"] for r in shards if r.get("worker_id")}
     records = {r.worker_id: r for r in read_worker_records(current_app.config["DATA_DIR"])}
     return [{"worker_id": wid, "engine_config": records[wid].engine_config if wid in records else {}}
             for wid in sorted(seen)]

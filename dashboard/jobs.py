@@ -55,10 +55,10 @@ def index():
 @bp.get("/jobs/<job_id>")
 def job_page(job_id: str):
     job, config = existing_job(job_id)
+    shards = data.job_shards(job.job_id)
     return render_template(
         "job.html", job=job, job_config=config, warning=data.job_warning(job, config),
-        worker_configs=data.job_worker_configs(job.job_id),
-        shards=data.job_shards(job.job_id),
+        worker_configs=data.job_worker_configs(shards), shards=shards,
         outputs=data.job_outputs_sample(job.job_id, current_app.config["OUTPUT_SAMPLE_ROWS"]),
         latency=series.job_latency(job.job_id),
         preemptions=data.job_preemptions(job.job_id),

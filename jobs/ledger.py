@@ -66,9 +66,6 @@ class ShardLedger:
     def cancelled(self) -> bool:
         return self.paths.cancel_marker.exists()
 
-    def next_attempt(self, shard_id: int) -> int:
-        return (self.leases.claimed_attempts().get(shard_id) or [0])[-1] + 1
-
     # -- queue
     def queue_new(self, shards: Iterable[tuple[int, int]]) -> None:
         """A new job's shards, as (shard id, rows): queued for their first attempt."""

@@ -14,11 +14,9 @@ import time
 import duckdb
 
 from jobs.broker import BrokerSettings
-from jobs.leases import ShardLeases
 from jobs.ledger import ShardLedger
-from jobs.manifest import JobManifest, JobPaths, load_manifest
+from jobs.manifest import JobManifest, load_manifest
 from jobs.store import (
-    Store,
     connect,
     no_worker_warning,
     read_worker_records,
@@ -240,8 +238,9 @@ def retry_stuck_shards(manifest: JobManifest, broker: BrokerSettings,
     from jobs.celery_app import publish_shard
     from jobs.supervise import retries_used, waiting_since
 
-    leases = ShardLeases(JobPaths.of(manifest.data_dir, manifest.job_id).leases)
-    claims, store = leases.claimed_attempts(), Store(manifest.data_dir)
+    ledger = ShardLedger(manifest.data_dir, manifest.job_id)
+    leases, store = ledger.leases, ledger.store
+    claims = leases.claimed_attempts()
     live = live_shard_messages(broker, held_within_s=leases.ttl_s) or set()  # held longer: no one runs it
     stuck = []
     for info in manifest.shards:
@@ -251,7 +250,6 @@ def retry_stuck_shards(manifest: JobManifest, broker: BrokerSettings,
             continue
         if store.committed(manifest.job_id, info.shard_id) is not None:
             continue
-        ledger = ShardLedger(manifest.data_dir, manifest.job_id, store, leases)
         ledger.take_republish(info.shard_id, time.time())
         publish_shard(broker, manifest.job_id, info.shard_id, info.path, manifest.data_dir,
                       retries=retries_used(leases, info.shard_id, attempts))
