@@ -2,12 +2,15 @@
 
 Admits N sequences, runs their prefill and a few decode steps unprofiled, then profiles decode
 steps with torch.profiler and prints the top ops by self CPU time, plus the share of each step
-spent outside the model's forward (schedule, prepare, sample, stops: per-step Python work).
+spent outside the model's forward (schedule, prepare, sample, stops: per-step Python work). Each
+`kernels.ops` call is a labelled range (`ops.rms_norm`, ...), so the native C kernels, which the
+profiler cannot see inside, show as those ranges' self time (the kernel plus its Python launcher).
 Numbers, not pass/fail; on a shared machine compare shares within one run, not absolute times.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import click
@@ -38,6 +41,34 @@ def _decode_steps(engine, steps: int) -> tuple[float, float]:
     return time.perf_counter() - t0, inside[0]
 
 
+# the kernels.ops entry points the model calls, labelled in the profile
+LABELLED_OPS = ("linear", "rms_norm", "fused_add_rms_norm", "rotary_embedding", "store_kv_cache",
+                "paged_attention", "silu_and_mul")
+
+
+@contextlib.contextmanager
+def labelled_ops():
+    """Wrap each kernels.ops entry point in a torch.profiler.record_function range while inside."""
+    import torch
+
+    from kernels import ops
+
+    def labelled(name, fn):
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(f"ops.{name}"):
+                return fn(*args, **kwargs)
+        return call
+
+    saved = {name: getattr(ops, name) for name in LABELLED_OPS}
+    try:
+        for name, fn in saved.items():
+            setattr(ops, name, labelled(name, fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(ops, name, fn)
+
+
 @click.command()
 @engine_options
 @click.option("--num-seqs", type=int, default=64, show_default=True, help="sequences decoding together")
@@ -65,7 +96,7 @@ def main(num_seqs, prompt_len, steps, top, **engine_kw):
     click.echo(f"dtype {llm.config.dtype} ({llm.config.dtype_reason}), {num_seqs} sequences, "
                f"{torch.get_num_threads()} threads: {total / steps * 1e3:.1f} ms a decode step, "
                f"{(total - inside) / total:.0%} of it outside the model's forward")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with labelled_ops(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _decode_steps(engine, steps)
     click.echo(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 

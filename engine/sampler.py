@@ -24,6 +24,7 @@ import torch
 from engine.sequence import Sequence
 from engine.staging import Staging
 from engine.structured_output import StructuredOutputs
+from kernels import ops
 
 _MASK64 = (1 << 64) - 1
 
@@ -85,14 +86,14 @@ class Sampler:
         simple = not constrained.size and all(p.greedy and p.logprobs is None and not p.has_penalties
                                               for p in params)
         if simple:  # the common batch case: an argmax and one copy
-            return staging.fetch(logits.argmax(dim=-1)).tolist(), [None] * len(seqs)
+            return staging.fetch(ops.argmax(logits)).tolist(), [None] * len(seqs)
         rows = self._rows(seqs)
         raw = logits
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, seqs, staging)
         if constrained.size:
             logits = self._apply_grammars(logits, raw, seqs, constrained, staging)
-        tokens = logits.argmax(dim=-1)
+        tokens = ops.argmax(logits)
         sampled = np.flatnonzero(~rows.greedy)
         if sampled.size:
             index = staging.put("sample_rows", sampled, torch.int64)

@@ -52,6 +52,6 @@ def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"native silu_and_mul: x needs [gate | up] halves, got an odd width {x.shape[1]}")
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, inter), dtype=x.dtype)
-    cpu_native.library().silu_and_mul_f32(x.data_ptr(), stride, out.data_ptr(), rows, inter,
-                                          torch.get_num_threads())
+    cpu_native.kernel("silu_and_mul", x.dtype)(x.data_ptr(), stride, out.data_ptr(), rows, inter,
+                                                torch.get_num_threads())
     return out

@@ -321,10 +321,10 @@ def paged_decode_attention_native(
     scale: float,
     num_threads: int | None = None,
 ) -> torch.Tensor:
-    """q (S, Hq, D) fp32, one query token per sequence, attends to its context_lens[s] cached keys
-    in k_cache/v_cache (num_blocks, block_size, Hkv, D) through block_tables (>= S, nb) int32
+    """q (S, Hq, D) fp32 or bf16, one query token per sequence, attends to its context_lens[s] cached
+    keys in k_cache/v_cache (num_blocks, block_size, Hkv, D) through block_tables (>= S, nb) int32
     -> (S, Hq, D). The same contract as kernels.attention_decode.paged_decode_attention_ref."""
-    lib = cpu_native.library()
+    kernel = cpu_native.kernel("paged_decode_attention", q.dtype)
     num_seqs, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
     if v_cache.shape != k_cache.shape or kv_dim != head_dim or num_q_heads % num_kv_heads:
@@ -337,7 +337,10 @@ def paged_decode_attention_native(
     if block_tables.stride(-1) != 1 or not context_lens.is_contiguous() or len(context_lens) < num_seqs:
         raise ValueError("native paged attention: block_tables rows and context_lens must be contiguous")
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype)
-    status = lib.paged_decode_attention_f32(
+    if not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"native paged attention: q {q.dtype} and caches {k_cache.dtype}/{v_cache.dtype} "
+                         "must share one dtype")
+    status = kernel(
         q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), out.data_ptr(),
         num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale,

@@ -3,10 +3,11 @@ compiler into the batchgen cache and loaded with ctypes (no torch headers, so a 
 second). Each kernel's Python launcher (`*_native`) lives in its kernel's file beside the torch
 reference it is tested against; kernels.ops chooses between them.
 
-The kernels (fp32): paged decode attention, which reads keys and values in place from the
-block-paged cache instead of gathering them (the gather was ~16% of a decode step on 2 cores), and
-the elementwise ops of a layer (RMSNorm with the residual add, rotary, SiLU-and-mul), each one
-pass instead of several torch ops and their temporaries. Threads come from torch's own OpenMP pool.
+The kernels, for fp32 and bf16 tensors (fp32 arithmetic either way): paged decode attention, which
+reads keys and values in place from the block-paged cache instead of gathering them (the gather was
+~16% of a decode step on 2 cores), the elementwise ops of a layer (RMSNorm with the residual add,
+rotary, SiLU-and-mul), each one pass instead of several torch ops and their temporaries, the KV
+store and the sampler's row-wise argmax. Threads come from torch's own OpenMP pool.
 When no compiler is found or the build fails, `load()` returns None, says why once in the log and
 the torch path runs instead; `BATCHGEN_NATIVE=0` turns the native path off.
 """
@@ -28,6 +29,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+HEADERS = [SOURCE.with_name("cpu_kernels_typed.h")]  # included by SOURCE: part of the build's key
+# the storage types the typed kernels are built for, and their functions' name suffixes
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # -fassociative-math lets the compiler vectorise the dot-product reductions; no -ffinite-math-only
 CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math",
           "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp"]
@@ -67,7 +71,7 @@ def build(cc: str, out_dir: Path, flags: list[str] | None = None) -> Path:
     """Compile SOURCE into out_dir (named by a hash of source, flags and CPU); returns the .so path.
     The file appears atomically, so concurrent workers may build at once."""
     flags = CFLAGS if flags is None else flags
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS])
     key = hashlib.sha256(b"\0".join([source, " ".join([cc, *flags]).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     target = out_dir / f"cpu_kernels-{key}.so"
@@ -120,14 +124,16 @@ def load() -> ctypes.CDLL | None:
             _why_not = str(exc)
         else:
             i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-            signatures = {
-                "paged_decode_attention_f32": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
-                                                              i64, i32, i32, i32, i32, f32, i32]),
-                "rms_norm_f32": (None, [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]),
-                "rotary_f32": (None, [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, i64, i64, i32]),
-                "silu_and_mul_f32": (None, [ptr, i64, ptr, i64, i64, i32]),
-                "store_kv_cache_f32": (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]),
+            typed = {
+                "paged_decode_attention": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
+                                                          i64, i32, i32, i32, i32, f32, i32]),
+                "rms_norm": (None, [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]),
+                "rotary": (None, [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, i64, i64, i32]),
+                "silu_and_mul": (None, [ptr, i64, ptr, i64, i64, i32]),
             }
+            signatures = {f"{name}_{sfx}": sig for name, sig in typed.items() for sfx in SUFFIXES.values()}
+            signatures["store_kv_cache"] = (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64])
+            signatures["argmax_rows_f32"] = (None, [ptr, i64, i64, i64, ptr, i32])
             for name, (restype, argtypes) in signatures.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes
@@ -151,15 +157,25 @@ def library() -> ctypes.CDLL:
 
 
 def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the native kernels apply: enabled, fp32 CPU tensors whose last dims are contiguous, a
-    loadable library. Anything else takes the torch path."""
-    return (enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(-1) == 1
-                              for t in tensors)
+    """Whether the native kernels apply: enabled, CPU tensors of one dtype they are built for (fp32,
+    bf16) whose last dims are contiguous, a loadable library. Anything else takes the torch path."""
+    dtype = tensors[0].dtype
+    return (enabled() and dtype in SUFFIXES
+            and all(t.device.type == "cpu" and t.dtype == dtype and t.stride(-1) == 1 for t in tensors)
             and load() is not None)
 
 
+def kernel(name: str, dtype: torch.dtype):
+    """The typed C function `name` for tensors of dtype (fp32, bf16); a ValueError naming the dtype
+    for any other, a RuntimeError saying why when the library is unavailable."""
+    if dtype not in SUFFIXES:
+        raise ValueError(f"native {name}: {dtype} is not one of the native dtypes "
+                         f"({', '.join(str(d) for d in SUFFIXES)})")
+    return getattr(library(), f"{name}_{SUFFIXES[dtype]}")
+
+
 def row_stride(x: torch.Tensor, name: str) -> int:
-    """Row stride of a 2-D fp32 tensor whose last dim is contiguous."""
+    """Row stride of a 2-D tensor whose last dim is contiguous."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"native {name}: need a 2-D tensor with a contiguous last dim, got shape "
                          f"{tuple(x.shape)} strides {x.stride()}")

@@ -107,9 +107,13 @@ def store_kv_cache_native(key: torch.Tensor, value: torch.Tensor, k_cache: torch
         raise ValueError("native store_kv_cache: caches must be contiguous and of one shape")
     slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    bad = cpu_native.library().store_kv_cache_f32(
-        key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
-        v_cache.data_ptr(), slots.data_ptr(), rows, heads * dim, num_slots)
+    if not key.dtype == value.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"native store_kv_cache: key {key.dtype}, value {value.dtype} and caches "
+                         f"{k_cache.dtype} must share one dtype")
+    size = key.element_size()
+    bad = cpu_native.library().store_kv_cache(
+        key.data_ptr(), key.stride(0) * size, value.data_ptr(), value.stride(0) * size, k_cache.data_ptr(),
+        v_cache.data_ptr(), slots.data_ptr(), rows, heads * dim * size, num_slots)
     if bad:
         raise IndexError(f"store_kv_cache: token {bad - 1} has slot {int(slots[bad - 1])}, outside the "
                          f"cache's {num_slots} slots")

@@ -2,7 +2,7 @@
 
 Backends: `triton` (CUDA tensors; CPU tensors only under the Triton interpreter, TRITON_INTERPRET=1
 set before kernels are imported), `cpu-native` (the CPU's production path: the C kernels of
-kernels/csrc for fp32 and oneDNN's packed GEMMs for fp32/bf16, wherever they apply) and `torch` (the
+kernels/csrc for fp32 and bf16 and oneDNN's packed GEMMs for fp32/bf16, wherever they apply) and `torch` (the
 references: the specification every other implementation is tested against, and what runs where
 nothing else applies). Each implementation lives in its kernel's file beside its reference; KERNELS
 below names them. `BATCHGEN_KERNELS=torch|triton|cpu-native` (read once, and again on
@@ -23,6 +23,7 @@ from torch import nn
 from kernels import cpu_gemm, cpu_native
 from kernels._triton import HAS_TRITON, interpreting
 from kernels.activation import silu_and_mul_native, silu_and_mul_ref, silu_and_mul_triton
+from kernels.argmax import argmax_native, argmax_ref
 from kernels.attention_decode import (
     paged_decode_attention_native,
     paged_decode_attention_planned,
@@ -43,6 +44,7 @@ from kernels.rotary import (
 __all__ = [
     "KERNELS",
     "AttentionMetadata",
+    "argmax",
     "build_attention_metadata",
     "fused_add_rms_norm",
     "get_backend",
@@ -113,6 +115,11 @@ KERNELS: dict[str, dict[str, Callable]] = {
         "cpu-native": lambda q, k_cache, v_cache, meta, n, scale: paged_decode_attention_native(
             q, k_cache, v_cache, meta.block_tables[:n], meta.context_lens[:n], scale),
     },
+    "argmax": {
+        "torch": argmax_ref,
+        "triton": argmax_ref,  # torch's CUDA reduction
+        "cpu-native": argmax_native,
+    },
     "linear": {
         "torch": cpu_gemm.linear_ref,
         "triton": cpu_gemm.linear_ref,  # cuBLAS through torch
@@ -152,7 +159,7 @@ def get_backend(x: torch.Tensor) -> str:
 
 def _pick(op: str, x: torch.Tensor, *tensors: torch.Tensor, fits: bool = True) -> Callable:
     """KERNELS[op]'s implementation for this call: cpu-native only where its C kernels take these
-    tensors (fp32, contiguous last dims, a built library) and the op's shapes `fits`."""
+    tensors (fp32 or bf16, contiguous last dims, a built library) and the op's shapes `fits`."""
     backend = get_backend(x)
     if backend == "cpu-native" and not (fits and cpu_native.supports(x, *tensors)):
         backend = "torch"
@@ -182,6 +189,11 @@ def rotary_embedding(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x (T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
     return _pick("silu_and_mul", x, fits=x.dim() == 2)(x)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x (S, V) -> (S,) int64, each row's first maximum (first NaN), as torch.argmax(dim=-1)."""
+    return _pick("argmax", x, fits=x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0)(x)
 
 
 def store_kv_cache(

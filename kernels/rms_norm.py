@@ -96,7 +96,7 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = residual.contiguous()
         residual_out = torch.empty((rows, dim), dtype=x.dtype)
     weight = weight.contiguous()
-    cpu_native.library().rms_norm_f32(
+    cpu_native.kernel("rms_norm", x.dtype)(
         x.data_ptr(), stride, None if residual is None else residual.data_ptr(), weight.data_ptr(),
         out.data_ptr(), None if residual_out is None else residual_out.data_ptr(), rows, dim, eps,
         torch.get_num_threads())

@@ -140,7 +140,7 @@ def rotary_embedding_native(positions: torch.Tensor, q: torch.Tensor, k: torch.T
     if not 0 <= lo <= hi < cos_sin_cache.shape[0]:
         raise IndexError(f"native rotary: positions {lo}..{hi} outside the rotary cache's "
                          f"{cos_sin_cache.shape[0]} positions")
-    cpu_native.library().rotary_f32(
+    cpu_native.kernel("rotary", q.dtype)(
         positions.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(), k.stride(0),
         k.stride(1), k.shape[1], cos_sin_cache.data_ptr(), rows, dim, torch.get_num_threads())
     return q, k

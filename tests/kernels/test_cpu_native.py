@@ -11,6 +11,7 @@ import torch
 
 from kernels import cpu_native, ops
 from kernels.activation import silu_and_mul_native
+from kernels.argmax import argmax_native
 from kernels.attention_decode import paged_decode_attention_native, paged_decode_attention_ref
 from kernels.kv_cache import store_kv_cache_native
 from kernels.rms_norm import rms_norm_native
@@ -33,18 +34,27 @@ def native_built():
 DECODE_SHAPES = [(h, kv, 64) for h, kv in HEADS] + [(4, 4, 64), (4, 2, 16), (12, 1, 64), (3, 3, 48)]
 
 
+# fp32 matches the float64 loop closely; bf16 (fp32 arithmetic over bf16 inputs, the output rounded
+# to bf16: relative steps of 2^-8) within a few of its steps
+TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+DTYPES = list(TOLERANCE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", DECODE_SHAPES)
 def test_decode_matches_naive_loop_and_reads_only_its_context(num_q_heads, num_kv_heads, head_dim,
-                                                              block_size):
+                                                              block_size, dtype):
+    # nan outside every context: a read outside one would poison the output
     inputs = make_paged_inputs([1] * len(DECODE_LENS), DECODE_LENS, num_q_heads, num_kv_heads, head_dim,
-                               block_size, garbage=float("nan"))  # a read outside any context would poison it
+                               block_size, dtype=dtype, garbage=float("nan"))
     meta = inputs.meta
     out = paged_decode_attention_native(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables,
                                             meta.context_lens, inputs.scale)
+    assert out.dtype == dtype
     want = naive.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, meta.block_tables.tolist(),
                                  [1] * len(DECODE_LENS), DECODE_LENS, inputs.scale)
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), want, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("num_threads", [1, 2, 3, 7])
@@ -101,7 +111,14 @@ def test_inputs_it_cannot_take_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="does not fit"):
         paged_decode_attention_native(inputs.q[:, :8], inputs.k_cache, inputs.v_cache, meta.block_tables,
                                           meta.context_lens, inputs.scale)
-    assert not cpu_native.supports(inputs.q.half(), inputs.k_cache.half())  # fp32 only: fp16 uses torch
+    assert not cpu_native.supports(inputs.q.half(), inputs.k_cache.half())  # fp32, bf16 only: fp16 is torch
+    assert not cpu_native.supports(inputs.q, inputs.k_cache.bfloat16())  # one dtype per call
+    with pytest.raises(ValueError, match="share one dtype"):
+        paged_decode_attention_native(inputs.q, inputs.k_cache.bfloat16(), inputs.v_cache.bfloat16(),
+                                      meta.block_tables, meta.context_lens, inputs.scale)
+    with pytest.raises(ValueError, match="float16 is not one of the native dtypes"):
+        paged_decode_attention_native(inputs.q.half(), inputs.k_cache.half(), inputs.v_cache.half(),
+                                      meta.block_tables, meta.context_lens, inputs.scale)
 
 
 def _fresh_build_with(monkeypatch, tmp_path, script: str) -> None:
@@ -180,35 +197,103 @@ def test_elementwise_kernels_match_the_torch_references_on_strided_inputs():
     assert torch.equal(qkv[:, 12 * 64 :], v_before)  # v untouched
 
 
-def test_ops_send_fp32_cpu_work_to_the_native_kernels(monkeypatch):
+def test_elementwise_kernels_in_bf16_round_once_as_the_references_do():
+    """bf16 in and out, fp32 inside: the residual sum and RMSNorm round where Hugging Face's Llama
+    rounds (so they equal the references bit for bit); SiLU-and-mul and rotary round once at the end,
+    within a step of bf16 of the fp32 computation."""
+    from kernels.activation import silu_and_mul_ref
+    from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+    from kernels.rotary import make_cos_sin_cache, rotary_embedding_ref
+
+    gen = torch.Generator().manual_seed(5)
+    bf = torch.bfloat16
+    wide = (torch.randn(37, 2 * 576 + 3, generator=gen) * 3).to(bf)
+    x, weight = wide[:, :576], torch.randn(576, generator=gen).to(bf)  # strided rows
+    residual = torch.randn(37, 576, generator=gen).to(bf)
+    assert torch.equal(rms_norm_native(x, weight, 1e-5)[0], rms_norm_ref(x, weight, 1e-5))
+    normed, res_out = rms_norm_native(x, weight, 1e-5, residual)
+    want_normed, want_res = fused_add_rms_norm_ref(x, residual, weight, 1e-5)
+    assert torch.equal(res_out, want_res) and torch.equal(normed, want_normed)
+
+    gate_up = (torch.randn(37, 2 * 1536 + 8, generator=gen) * 30).to(bf)[:, : 2 * 1536]
+    got = silu_and_mul_native(gate_up)
+    assert got.dtype == bf
+    torch.testing.assert_close(got.float(), silu_and_mul_ref(gate_up.float()), atol=1e-3, rtol=2**-8)
+
+    qkv = torch.randn(37, 15 * 64, generator=gen).to(bf)
+    positions = torch.randint(0, 500, (37,), generator=gen)
+    cos_sin = make_cos_sin_cache(64, 512, 100000.0, bf, "cpu")
+    q, k = qkv[:, : 9 * 64].view(37, 9, 64), qkv[:, 9 * 64 : 12 * 64].view(37, 3, 64)
+    want_q, want_k = rotary_embedding_ref(positions, q.float(), k.float(), cos_sin.float())
+    rotary_embedding_native(positions, q, k, cos_sin)
+    torch.testing.assert_close(q.float(), want_q, atol=1e-3, rtol=2**-8)
+    torch.testing.assert_close(k.float(), want_k, atol=1e-3, rtol=2**-8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ops_send_cpu_work_to_the_native_kernels(monkeypatch, dtype):
     def refuse(*args, **kwargs):
         raise AssertionError("the torch reference ran although the native kernel applies")
 
-    for op in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul"):
+    for op in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache",
+               "decode_attention", "argmax"):
         monkeypatch.setitem(ops.KERNELS[op], "torch", refuse)
-    x = torch.randn(4, 64)
-    ops.rms_norm(x, torch.ones(64), 1e-5)
-    ops.fused_add_rms_norm(x, x.clone(), torch.ones(64), 1e-5)
-    ops.silu_and_mul(torch.randn(4, 32))
-    cos_sin = torch.randn(16, 64)
-    ops.rotary_embedding(torch.arange(4), torch.randn(4, 9, 64), torch.randn(4, 3, 64), cos_sin)
+    x = torch.randn(4, 64, dtype=dtype)
+    ops.rms_norm(x, torch.ones(64, dtype=dtype), 1e-5)
+    ops.fused_add_rms_norm(x, x.clone(), torch.ones(64, dtype=dtype), 1e-5)
+    ops.silu_and_mul(torch.randn(4, 32, dtype=dtype))
+    cos_sin = torch.randn(16, 64, dtype=dtype)
+    ops.rotary_embedding(torch.arange(4), torch.randn(4, 9, 64, dtype=dtype),
+                         torch.randn(4, 3, 64, dtype=dtype), cos_sin)
+    inputs = make_paged_inputs([1, 1], [5, 40], 9, 3, 64, 16, dtype=dtype)
+    ops.store_kv_cache(inputs.key, inputs.value, inputs.k_cache, inputs.v_cache, inputs.meta.slot_mapping)
+    ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
+    ops.argmax(torch.randn(4, 100))  # logits are fp32 in either model dtype
     monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
     with pytest.raises(AssertionError, match="torch reference ran"):
         ops.silu_and_mul(torch.randn(4, 32))
 
 
-def test_store_kv_cache_writes_strided_rows_skips_minus_one_and_refuses_bad_slots():
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_kv_cache_writes_strided_rows_skips_minus_one_and_refuses_bad_slots(dtype):
     from kernels.kv_cache import store_kv_cache_ref
 
-    qkv = torch.randn(5, 15 * 64)
+    qkv = torch.randn(5, 15 * 64).to(dtype)
     key, value = qkv[:, 9 * 64 : 12 * 64].view(5, 3, 64), qkv[:, 12 * 64 :].view(5, 3, 64)
     slots = torch.tensor([7, -1, 0, 33, 12])
-    caches = [torch.zeros(3, 16, 3, 64) for _ in range(4)]
+    caches = [torch.zeros(3, 16, 3, 64, dtype=dtype) for _ in range(4)]
     store_kv_cache_native(key, value, caches[0], caches[1], slots)
     store_kv_cache_ref(key, value, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     with pytest.raises(IndexError, match="token 1 has slot 48, outside the cache's 48 slots"):
         store_kv_cache_native(key, value, caches[0], caches[1], torch.tensor([0, 48, 1, 2, 3]))
+    with pytest.raises(ValueError, match="must share one dtype"):
+        store_kv_cache_native(key.float(), value.float(), caches[0].half(), caches[1].half(), slots)
+
+
+@pytest.mark.parametrize("cols", [1, 7, 16, 17, 100, 49152])
+def test_argmax_matches_torch_first_maximum_and_first_nan(cols):
+    """Ties go to the first index, a NaN anywhere wins (the first one), rows may be strided; the
+    NaNs sit in the first 16-wide chunk, a later one and the scalar tail."""
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randint(-3, 4, (40, cols + 5), generator=gen).float()[:, :cols]  # many ties
+    x[1] = -float("inf")
+    for row, col in [(2, 0), (3, cols // 2), (4, cols - 1), (5, min(20, cols - 1))]:
+        x[row, col] = float("nan")
+    x[6, :] = float("nan")
+    assert not x.is_contiguous()
+    torch.testing.assert_close(argmax_native(x), x.argmax(dim=-1), rtol=0, atol=0)
+    logits = torch.randn(64, cols, generator=gen)
+    assert torch.equal(argmax_native(logits), logits.argmax(dim=-1))
+
+
+def test_argmax_refuses_what_it_cannot_take():
+    with pytest.raises(ValueError, match="float32"):
+        argmax_native(torch.randn(3, 40).bfloat16())
+    with pytest.raises(ValueError, match="rows of 1"):
+        argmax_native(torch.randn(3, 0))
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        argmax_native(torch.randn(40, 3).t())
 
 
 
@@ -231,3 +316,38 @@ def test_inputs_with_a_strided_last_dim_take_the_torch_path():
     x = torch.randn(64, 6).t()  # (6, 64), last dim strided
     assert not cpu_native.supports(x)
     torch.testing.assert_close(ops.silu_and_mul(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])
+
+
+def test_a_bf16_model_step_on_the_native_kernels_matches_the_torch_path():
+    """A whole mixed step (two decodes, one prefill chunk) of a bf16 model: every op the native
+    kernels take (norms, rotary, KV store, decode attention, SiLU) against the torch references."""
+    from engine.model import PRESETS, Transformer
+    from kernels.metadata import build_attention_metadata
+
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["tiny"]).to(torch.bfloat16).eval()
+    model.init_rope(256)
+    args, block_size = model.args, 16
+    query_lens, context_lens = [1, 1, 7], [40, 3, 7]
+    tables = [[0, 1, 2], [3], [4]]
+    meta = build_attention_metadata(query_lens, context_lens, tables, block_size)
+    shape = (6, block_size, args.n_kv_heads, args.head_dim)
+    caches = [(torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()) for _ in range(args.n_layers)]
+    input_ids = torch.randint(0, args.vocab_size, (sum(query_lens),))
+    positions = torch.tensor([39, 2, 0, 1, 2, 3, 4, 5, 6])
+    outs = {}
+    for backend in ("cpu-native", "torch"):
+        ops.set_backend(backend)
+        try:
+            with torch.inference_mode():
+                kv = [(k.clone(), v.clone()) for k, v in caches]
+                meta.torch_decode_plan = None
+                outs[backend] = (model(input_ids, positions, kv, meta), kv)
+        finally:
+            ops.set_backend(None)
+    (native, native_kv), (plain, plain_kv) = outs["cpu-native"], outs["torch"]
+    assert native.dtype == torch.bfloat16
+    torch.testing.assert_close(native.float(), plain.float(), atol=5e-2, rtol=5e-2)
+    for (nk, nv), (pk, pv) in zip(native_kv, plain_kv, strict=True):  # this step's keys, stored alike
+        torch.testing.assert_close(nk.float(), pk.float(), atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(nv.float(), pv.float(), atol=5e-2, rtol=5e-2)

@@ -1,0 +1,379 @@
+/* The typed kernels, included once per storage type by cpu_kernels.c with these defined:
+ *   T            the element type in memory (float, or uint16_t holding bf16 bits)
+ *   SFX          the name suffix (f32, bf16): paged_decode_attention_SFX, ...
+ *   LD(p)        *p as a float;            ST(p, x)     *p = x rounded to T
+ *   VLD(p)       16 elements as a __m512;  VST(p, v)    16 floats rounded to T
+ *   VLDM(m, p)   masked load (0 elsewhere); VSTM(p, m, v) masked store
+ *   VROUND(v)    v rounded to T and back (identity for f32)
+ *   VLD2(p, a, b) 32 elements as two __m512 in "pair order"; VST2(p, a, b) stores them back. The
+ *                order is what converts fastest (bf16: evens, then odds; f32: as in memory), and
+ *                dot products and element-wise sums do not care which it is.
+ *   DP_BF16      1 where keys are bf16 and the CPU has vdpbf16ps, which multiplies raw bf16 pairs
+ * Arithmetic is fp32 throughout; only loads and stores know T. The V* macros exist with AVX-512.
+ */
+
+#define FN(name) CAT(name, SFX)
+#define PROBLEM FN(Problem)
+
+typedef struct {
+    const T *q;
+    int64_t q_seq_stride, q_head_stride;
+    const T *k_cache, *v_cache;
+    const int32_t *block_tables;
+    int64_t block_table_stride;
+    const int32_t *context_lens;
+    T *out;
+    int num_q_heads, num_kv_heads, head_dim, block_size;
+    float scale;
+} PROBLEM;
+
+static void FN(attend_item)(const PROBLEM *p, int64_t item, float *scores, float *qs) {
+    const int hkv = p->num_kv_heads, D = p->head_dim, B = p->block_size;
+    const int G = p->num_q_heads / hkv;
+    const int64_t s = item / hkv;
+    const int h = (int)(item % hkv);
+    const int ctx = p->context_lens[s];
+    const int32_t *table = p->block_tables + s * p->block_table_stride;
+    const int64_t token_stride = (int64_t)hkv * D; /* elements between consecutive tokens of a block */
+    T *out = p->out + (s * p->num_q_heads + (int64_t)h * G) * D; /* G heads, contiguous */
+    float *acc = qs + (size_t)G * D;                                /* G fp32 output rows */
+
+    for (int g = 0; g < G; g++) { /* scaled copy of the G query rows, contiguous */
+        const T *src = p->q + s * p->q_seq_stride + (int64_t)(h * G + g) * p->q_head_stride;
+        for (int d = 0; d < D; d++) qs[g * D + d] = LD(src + d) * p->scale;
+    }
+    /* pass 1: scores, block by block */
+    for (int t0 = 0; t0 < ctx; t0 += B) {
+        const int n = ctx - t0 < B ? ctx - t0 : B;
+        const T *k = p->k_cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
+        for (int i = 0; i < n; i++, k += token_stride) {
+            for (int g = 0; g < G; g++) {
+                const float *qg = qs + g * D;
+                float dot = 0.0f;
+                for (int d = 0; d < D; d++) dot += qg[d] * LD(k + d);
+                scores[(int64_t)g * ctx + t0 + i] = dot;
+            }
+        }
+    }
+    /* pass 2: softmax numerators in place; accumulators start at zero */
+    float inv_sum[64];
+    for (int g = 0; g < G; g++) {
+        float *row = scores + (int64_t)g * ctx;
+        float mx = -INFINITY;
+        for (int t = 0; t < ctx; t++) mx = row[t] > mx ? row[t] : mx;
+        float sum = 0.0f;
+        for (int t = 0; t < ctx; t++) {
+            row[t] = expf(row[t] - mx);
+            sum += row[t];
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)G * D);
+    /* pass 3: weighted sum of values */
+    for (int t0 = 0; t0 < ctx; t0 += B) {
+        const int n = ctx - t0 < B ? ctx - t0 : B;
+        const T *v = p->v_cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
+        for (int i = 0; i < n; i++, v += token_stride) {
+            for (int g = 0; g < G; g++) {
+                const float w = scores[(int64_t)g * ctx + t0 + i];
+                float *ag = acc + g * D;
+                for (int d = 0; d < D; d++) ag[d] += w * LD(v + d);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < D; d++) ST(out + g * D + d, acc[g * D + d] * inv_sum[g]);
+}
+
+#if HAVE_AVX512
+/* attend_item for G query heads per KV head and a head dim of 16*C (C even), both compile-time
+ * after inlining, so the G*C query and accumulator vectors live in registers. Scores are made 16 keys at
+ * a time: each key's G partial-product vectors go to dots, then one transposing reduction per query
+ * head sums all 16 (sum16), a third of the work of 16 separate horizontal sums. While a block is
+ * read, the next block's rows of this KV head are prefetched (blocks lie anywhere in the cache). */
+static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const PROBLEM *p, int64_t item,
+                                                                         float *scores, const int G,
+                                                                         const int C) {
+    const int hkv = p->num_kv_heads, D = 16 * C, B = p->block_size;
+    const int64_t s = item / hkv;
+    const int h = (int)(item % hkv);
+    const int ctx = p->context_lens[s];
+    const int32_t *table = p->block_tables + s * p->block_table_stride;
+    const int64_t token_stride = (int64_t)hkv * D;
+    T *out = p->out + (s * p->num_q_heads + (int64_t)h * G) * D;
+    __m512 acc[8][8], dots[8][16];
+    const __m512 scale = _mm512_set1_ps(p->scale);
+    const int row_bytes = D * (int)sizeof(T);
+#if DP_BF16
+    __m512bh qb[8][4]; /* raw bf16 query pairs */
+    for (int g = 0; g < G; g++) {
+        const T *src = p->q + s * p->q_seq_stride + (int64_t)(h * G + g) * p->q_head_stride;
+        for (int c = 0; c < C / 2; c++) qb[g][c] = (__m512bh)_mm512_loadu_si512(src + 32 * c);
+    }
+#else
+    __m512 qv[8][8];
+    for (int g = 0; g < G; g++) {
+        const T *src = p->q + s * p->q_seq_stride + (int64_t)(h * G + g) * p->q_head_stride;
+        for (int c = 0; c < C / 2; c++) VLD2(src + 32 * c, qv[g][2 * c], qv[g][2 * c + 1]);
+    }
+#endif
+    /* pass 1: scores */
+    for (int t0 = 0; t0 < ctx; t0 += B) {
+        const int n = ctx - t0 < B ? ctx - t0 : B;
+        const T *k = p->k_cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
+        if (t0 + B < ctx)
+            prefetch_rows(p->k_cache + ((int64_t)table[t0 / B + 1] * B * hkv + h) * D,
+                          ctx - t0 - B < B ? ctx - t0 - B : B, token_stride * (int64_t)sizeof(T), row_bytes);
+        for (int i0 = 0; i0 < n; i0 += 16) {
+            const int m = n - i0 < 16 ? n - i0 : 16;
+            for (int i = 0; i < m; i++, k += token_stride) {
+#if DP_BF16
+                __m512bh kb[4];
+                for (int c = 0; c < C / 2; c++) kb[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
+                for (int g = 0; g < G; g++) {
+                    __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kb[0]);
+                    for (int c = 1; c < C / 2; c++) dot = _mm512_dpbf16_ps(dot, qb[g][c], kb[c]);
+                    dots[g][i] = dot;
+                }
+#else
+                __m512 kc[8];
+                for (int c = 0; c < C / 2; c++) VLD2(k + 32 * c, kc[2 * c], kc[2 * c + 1]);
+                for (int g = 0; g < G; g++) {
+                    __m512 dot = _mm512_mul_ps(qv[g][0], kc[0]);
+                    for (int c = 1; c < C; c++) dot = _mm512_fmadd_ps(qv[g][c], kc[c], dot);
+                    dots[g][i] = dot;
+                }
+#endif
+            }
+            for (int g = 0; g < G; g++) {
+                for (int i = m; i < 16; i++) dots[g][i] = _mm512_setzero_ps();
+                _mm512_mask_storeu_ps(scores + (int64_t)g * ctx + t0 + i0, (__mmask16)((1u << m) - 1u),
+                                      _mm512_mul_ps(sum16(dots[g]), scale));
+            }
+        }
+    }
+    /* pass 2: softmax numerators in place (16 at a time, a masked tail) */
+    float inv_sum[8];
+    for (int g = 0; g < G; g++) {
+        float *row = scores + (int64_t)g * ctx;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        int t = 0;
+        for (; t + 16 <= ctx; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
+        const __mmask16 tail = (__mmask16)((1u << (ctx - t)) - 1u);
+        mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, row + t));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (t = 0; t + 16 <= ctx; t += 16) {
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
+            _mm512_storeu_ps(row + t, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        if (tail) {
+            const __m512 e = _mm512_maskz_mov_ps(
+                tail, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), m)));
+            _mm512_mask_storeu_ps(row + t, tail, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* pass 3: weighted sum of values, accumulators in registers */
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int t0 = 0; t0 < ctx; t0 += B) {
+        const int n = ctx - t0 < B ? ctx - t0 : B;
+        const T *v = p->v_cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
+        if (t0 + B < ctx)
+            prefetch_rows(p->v_cache + ((int64_t)table[t0 / B + 1] * B * hkv + h) * D,
+                          ctx - t0 - B < B ? ctx - t0 - B : B, token_stride * (int64_t)sizeof(T), row_bytes);
+        for (int i = 0; i < n; i++, v += token_stride) {
+            __m512 vc[8];
+            for (int c = 0; c < C / 2; c++) VLD2(v + 32 * c, vc[2 * c], vc[2 * c + 1]);
+            for (int g = 0; g < G; g++) {
+                const __m512 w = _mm512_set1_ps(scores[(int64_t)g * ctx + t0 + i]);
+                for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(w, vc[c], acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m512 r = _mm512_set1_ps(inv_sum[g]);
+        for (int c = 0; c < C / 2; c++)
+            VST2(out + g * D + 32 * c, _mm512_mul_ps(acc[g][2 * c], r), _mm512_mul_ps(acc[g][2 * c + 1], r));
+    }
+}
+
+#define AVX512_CASE(G_, C_) \
+    case (G_) * 16 + (C_): \
+        FN(attend_item_avx512)(p, item, scores, G_, C_); \
+        return 1;
+
+/* 1 when a specialised kernel took the item, 0 when the generic one must. */
+static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, float *scores) {
+    const int G = p->num_q_heads / p->num_kv_heads;
+    if (p->head_dim % 16) return 0;
+    switch (G * 16 + p->head_dim / 16) {
+        AVX512_CASE(1, 2) AVX512_CASE(2, 2) AVX512_CASE(3, 2) AVX512_CASE(4, 2)
+        AVX512_CASE(1, 4) AVX512_CASE(2, 4) AVX512_CASE(3, 4) AVX512_CASE(4, 4)
+        AVX512_CASE(5, 4) AVX512_CASE(6, 4) AVX512_CASE(7, 4) AVX512_CASE(8, 4)
+        AVX512_CASE(1, 8) AVX512_CASE(2, 8) AVX512_CASE(3, 8) AVX512_CASE(4, 8)
+        default: return 0;
+    }
+}
+#undef AVX512_CASE
+#else
+static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, float *scores) {
+    (void)p, (void)item, (void)scores;
+    return 0;
+}
+#endif
+
+/* Returns 0 on success, 1 when memory ran out, 2 for an unsupported shape (more than 64 query
+ * heads per KV head). Threads come from OpenMP: linked by soname, torch's own libgomp serves, so
+ * this kernel shares torch's thread pool instead of competing with it. */
+int FN(paged_decode_attention)(const T *q, int64_t q_seq_stride, int64_t q_head_stride,
+                               const T *k_cache, const T *v_cache, const int32_t *block_tables,
+                               int64_t block_table_stride, const int32_t *context_lens, T *out,
+                               int64_t num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
+                               int block_size, float scale, int num_threads) {
+    if (num_q_heads / num_kv_heads > 64) return 2;
+    const PROBLEM p = {q, q_seq_stride, q_head_stride, k_cache, v_cache, block_tables,
+                       block_table_stride, context_lens, out, num_q_heads, num_kv_heads, head_dim,
+                       block_size, scale};
+    const int64_t items = num_seqs * num_kv_heads;
+    const int G = num_q_heads / num_kv_heads;
+    int max_ctx = 1;
+    for (int64_t s = 0; s < num_seqs; s++) max_ctx = context_lens[s] > max_ctx ? context_lens[s] : max_ctx;
+    if (num_threads < 1) num_threads = 1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (items > 1)
+    {
+        /* scores (G x max_ctx), then the generic kernel's queries and accumulators (2 x G x D) */
+        float *scores = (float *)malloc(sizeof(float) * ((size_t)G * max_ctx + 2 * (size_t)G * head_dim));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t it = 0; it < items; it++) {
+            if (scores && !FN(attend_item_fast)(&p, it, scores))
+                FN(attend_item)(&p, it, scores, scores + (size_t)G * max_ctx);
+        }
+        free(scores);
+    }
+    return failed;
+}
+
+/* out = weight * round(r / sqrt(mean(r^2) + eps)) with r = round(x + residual) (written to
+ * residual_out) or, when residual is NULL, r = x; round() is to T, as Hugging Face's Llama casts
+ * before scaling. Rows of x may be strided; every other array is contiguous. */
+void FN(rms_norm)(const T *x, int64_t x_stride, const T *residual, const T *weight, T *out,
+                  T *residual_out, int64_t rows, int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const T *xr = x + t * x_stride;
+        const T *r = xr;
+        int64_t d = 0;
+        float ss = 0.0f;
+#if HAVE_AVX512
+        __m512 ssv = _mm512_setzero_ps();
+#endif
+        if (residual) {
+            T *ro = residual_out + t * dim;
+            const T *rr = residual + t * dim;
+#if HAVE_AVX512
+            for (; d + 16 <= dim; d += 16) {
+                const __m512 sum = VROUND(_mm512_add_ps(VLD(xr + d), VLD(rr + d)));
+                VST(ro + d, sum);
+                ssv = _mm512_fmadd_ps(sum, sum, ssv);
+            }
+#endif
+            for (; d < dim; d++) {
+                ST(ro + d, LD(xr + d) + LD(rr + d));
+                ss += LD(ro + d) * LD(ro + d);
+            }
+            r = ro;
+        } else {
+#if HAVE_AVX512
+            for (; d + 16 <= dim; d += 16) {
+                const __m512 v = VLD(xr + d);
+                ssv = _mm512_fmadd_ps(v, v, ssv);
+            }
+#endif
+            for (; d < dim; d++) ss += LD(xr + d) * LD(xr + d);
+        }
+#if HAVE_AVX512
+        ss += _mm512_reduce_add_ps(ssv);
+#endif
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        T *o = out + t * dim;
+        d = 0;
+#if HAVE_AVX512
+        const __m512 invv = _mm512_set1_ps(inv);
+        for (; d + 16 <= dim; d += 16)
+            VST(o + d, _mm512_mul_ps(VLD(weight + d), VROUND(_mm512_mul_ps(VLD(r + d), invv))));
+#endif
+        for (; d < dim; d++) {
+            T normed;
+            ST(&normed, LD(r + d) * inv);
+            ST(o + d, LD(weight + d) * LD(&normed));
+        }
+    }
+}
+
+/* In place, for q (T, nq, D) and k (T, nk, D) with any token and head strides (head dim
+ * contiguous): each head's halves x1, x2 become x1*cos - x2*sin and x2*cos + x1*sin, with
+ * cos_sin (max_len, D) = [cos | sin] at the token's position. */
+void FN(rotary)(const int64_t *positions, T *q, int64_t q_tok_stride, int64_t q_head_stride, int nq,
+                T *k, int64_t k_tok_stride, int64_t k_head_stride, int nk, const T *cos_sin,
+                int64_t rows, int64_t dim, int num_threads) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(num_threads) if (rows * (nq + nk) * dim >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const T *c = cos_sin + positions[t] * dim;
+        const T *sn = c + half;
+        for (int h = 0; h < nq + nk; h++) {
+            T *x = h < nq ? q + t * q_tok_stride + h * q_head_stride
+                          : k + t * k_tok_stride + (h - nq) * k_head_stride;
+            T *x2 = x + half;
+            int64_t i = 0;
+#if HAVE_AVX512
+            for (; i + 16 <= half; i += 16) {
+                const __m512 a = VLD(x + i), b = VLD(x2 + i), cv = VLD(c + i), sv = VLD(sn + i);
+                VST(x + i, _mm512_fmsub_ps(a, cv, _mm512_mul_ps(b, sv)));
+                VST(x2 + i, _mm512_fmadd_ps(b, cv, _mm512_mul_ps(a, sv)));
+            }
+#endif
+            for (; i < half; i++) {
+                const float a = LD(x + i), b = LD(x2 + i), cv = LD(c + i), sv = LD(sn + i);
+                ST(x + i, a * cv - b * sv);
+                ST(x2 + i, b * cv + a * sv);
+            }
+        }
+    }
+}
+
+/* x (T, 2I) rows [gate | up] (row stride x_stride) -> out (T, I) = silu(gate) * up. */
+void FN(silu_and_mul)(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t inter,
+                      int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * inter >= PARALLEL_MIN_ELEMS) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const T *g = x + t * x_stride, *u = g + inter;
+        T *o = out + t * inter;
+        int64_t i = 0;
+#if HAVE_AVX512
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= inter; i += 16) {
+            const __m512 gv = VLD(g + i);
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+            const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+            VST(o + i, _mm512_mul_ps(silu, VLD(u + i)));
+        }
+#endif
+        for (; i < inter; i++) {
+            const float gi = LD(g + i);
+            ST(o + i, gi / (1.0f + expf(-gi)) * LD(u + i));
+        }
+    }
+}
+
+#undef PROBLEM
+#undef FN
