@@ -136,11 +136,11 @@ def rotary_embedding_native(positions: torch.Tensor, q: torch.Tensor, k: torch.T
     if k.shape[0] != rows or k.shape[2] != dim or positions.numel() != rows or cos_sin_cache.shape[-1] != dim:
         raise ValueError(f"native rotary: q {tuple(q.shape)}, k {tuple(k.shape)}, positions "
                          f"{tuple(positions.shape)}, cos_sin_cache {tuple(cos_sin_cache.shape)} do not fit")
-    lo, hi = (int(positions.min()), int(positions.max())) if rows else (0, 0)
-    if not 0 <= lo <= hi < cos_sin_cache.shape[0]:
-        raise IndexError(f"native rotary: positions {lo}..{hi} outside the rotary cache's "
-                         f"{cos_sin_cache.shape[0]} positions")
-    cpu_native.kernel("rotary", q.dtype)(
+    max_len = cos_sin_cache.shape[0]
+    bad = cpu_native.kernel("rotary", q.dtype)(  # checks every position before it writes
         positions.data_ptr(), q.data_ptr(), q.stride(0), q.stride(1), q.shape[1], k.data_ptr(), k.stride(0),
-        k.stride(1), k.shape[1], cos_sin_cache.data_ptr(), rows, dim, torch.get_num_threads())
+        k.stride(1), k.shape[1], cos_sin_cache.data_ptr(), max_len, rows, dim, torch.get_num_threads())
+    if bad:
+        raise IndexError(f"native rotary: token {bad - 1} has position {int(positions[bad - 1])}, outside "
+                         f"the rotary cache's {max_len} positions")
     return q, k

@@ -321,11 +321,14 @@ void FN(rms_norm)(const T *x, int64_t x_stride, const T *residual, const T *weig
 
 /* In place, for q (T, nq, D) and k (T, nk, D) with any token and head strides (head dim
  * contiguous): each head's halves x1, x2 become x1*cos - x2*sin and x2*cos + x1*sin, with
- * cos_sin (max_len, D) = [cos | sin] at the token's position. */
-void FN(rotary)(const int64_t *positions, T *q, int64_t q_tok_stride, int64_t q_head_stride, int nq,
-                T *k, int64_t k_tok_stride, int64_t k_head_stride, int nk, const T *cos_sin,
-                int64_t rows, int64_t dim, int num_threads) {
+ * cos_sin (max_len, D) = [cos | sin] at the token's position. Returns the first token whose
+ * position is outside 0 .. max_len - 1, plus 1, having touched nothing; else 0. */
+int64_t FN(rotary)(const int64_t *positions, T *q, int64_t q_tok_stride, int64_t q_head_stride, int nq,
+                   T *k, int64_t k_tok_stride, int64_t k_head_stride, int nk, const T *cos_sin,
+                   int64_t max_len, int64_t rows, int64_t dim, int num_threads) {
     const int64_t half = dim / 2;
+    for (int64_t t = 0; t < rows; t++)
+        if (positions[t] < 0 || positions[t] >= max_len) return t + 1;
 #pragma omp parallel for num_threads(num_threads) if (rows * (nq + nk) * dim >= PARALLEL_MIN_ELEMS) schedule(static)
     for (int64_t t = 0; t < rows; t++) {
         const T *c = cos_sin + positions[t] * dim;
@@ -349,6 +352,7 @@ void FN(rotary)(const int64_t *positions, T *q, int64_t q_tok_stride, int64_t q_
             }
         }
     }
+    return 0;
 }
 
 /* x (T, 2I) rows [gate | up] (row stride x_stride) -> out (T, I) = silu(gate) * up. */

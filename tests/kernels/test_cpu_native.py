@@ -306,8 +306,12 @@ def test_elementwise_inputs_that_do_not_fit_are_refused_before_any_memory_is_tou
     with pytest.raises(ValueError, match="odd width"):
         silu_and_mul_native(torch.randn(3, 7))
     q, k = torch.randn(3, 9, 64), torch.randn(3, 3, 64)
-    with pytest.raises(IndexError, match="positions 0..16 outside the rotary cache's 16 positions"):
+    before = q.clone(), k.clone()
+    with pytest.raises(IndexError, match="token 2 has position 16, outside the rotary cache's 16 positions"):
         rotary_embedding_native(torch.tensor([0, 5, 16]), q, k, torch.randn(16, 64))
+    with pytest.raises(IndexError, match="token 1 has position -1"):
+        rotary_embedding_native(torch.tensor([0, -1, 3]), q, k, torch.randn(16, 64))
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])  # refused before any row was rotated
     with pytest.raises(ValueError, match="do not fit"):
         rotary_embedding_native(torch.tensor([0, 1, 2]), q, k, torch.randn(16, 32))
 
