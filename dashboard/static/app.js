@@ -165,10 +165,12 @@ const bg = (() => {
 
   const axisStyle = { stroke: "#687185", grid: { stroke: "#eceef2", width: 1 }, ticks: { stroke: "#e1e4ea", width: 1 } };
 
-  /* Axis size that fits its widest tick label plus its title: labels never run into the title. */
+  /* Axis size that fits its widest tick label plus its title: labels never run into the title.
+     uPlot re-asks while sizes settle (a new size changes the plot's height, so its splits and labels):
+     within one layout the size only grows, so it settles, and it always fits the labels drawn last. */
   function fitAxisSize(u, values, axisIdx, cycleNum) {
     const axis = u.axes[axisIdx];
-    if (cycleNum > 1) return axis._size; // uPlot re-asks until sizes settle: keep the first fit
+    const before = cycleNum > 1 ? axis._size || 0 : 0;
     let widest = 0;
     if (values) {
       u.ctx.save();
@@ -177,8 +179,12 @@ const bg = (() => {
       u.ctx.restore();
     }
     const title = axis.label ? (axis.labelSize ?? 30) : 0;
-    return Math.ceil(widest / devicePixelRatio + axis.ticks.size + axis.gap + title + 6);
+    return Math.max(before, Math.ceil(widest / devicePixelRatio + axis.ticks.size + axis.gap + title + 6));
   }
+
+  /* Tick increments for an axis of counts: whole numbers only (never "2.5 requests"). */
+  const countIncrs = [1, 2, 5].flatMap((m) => [1, 10, 100, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9].map((p) => m * p))
+    .sort((a, b) => a - b);
 
   /* Local wall-clock time of epoch seconds, to the precision a tick increment needs. */
   function clockLabel(ts, incr) {
@@ -270,6 +276,6 @@ const bg = (() => {
 
   return {
     fmt, getJSON, el, colors, alpha, chart, chartError, chartOf, markersPlugin, pointLabelsPlugin, axisStyle,
-    missing, fitAxisSize, timeAxis, timeSeries, timeGroup, latest, lastValue,
+    missing, fitAxisSize, countIncrs, timeAxis, timeSeries, timeGroup, latest, lastValue,
   };
 })();

@@ -45,7 +45,7 @@
         area("engine running seqs", colors.blue, { paths: steps, value: valueFmt(1) }),
         stepLine("engine waiting", colors.purple, { value: valueFmt(1) }),
         dashed("max_num_seqs", colors.grey, { paths: steps, value: valueFmt(0) })],
-      axes: [xAxis, yAxis("sequences / requests")],
+      axes: [xAxis, yAxis("sequences / requests", { incrs: bg.countIncrs })],
     }, s.ts ? [s.ts, s.outstanding_requests, s.num_running, s.num_waiting, s.max_num_seqs] : [[]],
     "no engine iterations yet");
   }
@@ -71,7 +71,7 @@
         dashed("KV blocks total", colors.grey, { paths: steps, value: valueFmt(0) }),
         { label: "preempted", stroke: colors.red, fill: alpha(colors.red, 0.6), scale: "p", width: 0,
           paths: uPlot.paths.bars({ size: [0.9, 6] }), points: { show: false }, value: valueFmt(0) }],
-      axes: [xAxis, yAxis("KV blocks"),
+      axes: [xAxis, yAxis("KV blocks", { incrs: bg.countIncrs }),
         { ...axisStyle, scale: "p", side: 1, label: "preempted", labelSize: 18, size: bg.fitAxisSize, grid: { show: false },
           incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000], values: (u, v) => v.map(fmt.compact) }],
     }, s.ts ? [s.ts, s.kv_blocks_used, s.kv_blocks_total, s.num_preempted] : [[]], "no engine iterations yet");
@@ -85,7 +85,7 @@
       series: [{},
         area("constrained seqs", colors.teal, { paths: steps, value: valueFmt(1) }),
         stepLine("mask fill ms / iteration", colors.orange, { scale: "ms", value: valueFmt(2) })],
-      axes: [xAxis, yAxis("sequences"),
+      axes: [xAxis, yAxis("sequences", { incrs: bg.countIncrs }),
         { ...axisStyle, scale: "ms", side: 1, label: "mask fill ms", labelSize: 18, size: bg.fitAxisSize,
           grid: { show: false }, values: (u, v) => v.map(fmt.compact) }],
     }, s.ts ? [s.ts, s.num_constrained_seqs, maskMs] : [[]], "no engine iterations yet");
@@ -105,7 +105,7 @@
       series: [{ value: (u, v) => fmt.duration(v) },
         { label: "requests", stroke: colors.blue, fill: alpha(colors.blue, 0.45), width: 1,
           paths: uPlot.paths.bars({ size: [0.92, Infinity], align: 0 }), points: { show: false } }],
-      axes: [{ ...axisStyle, space: 64, values: (u, v) => v.map(fmt.axisDuration) }, yAxis("requests")],
+      axes: [{ ...axisStyle, space: 64, values: (u, v) => v.map(fmt.axisDuration) }, yAxis("requests", { incrs: bg.countIncrs })],
       plugins: [markersPlugin(markers)],
       legend: { show: false },
     }, [centers, h.count], "no finished requests yet");
