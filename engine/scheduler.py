@@ -205,7 +205,10 @@ class Scheduler:
             hit = bm.match_prefix(seq)
             seq.num_computed_tokens = hit
             n = min(seq.num_uncomputed_tokens, budget)
-            if (not self.chunked_prefill and n < seq.num_uncomputed_tokens) or not bm.can_allocate(seq, n):
+            # without chunked prefill a prompt waits until it fits one step whole, unless it never can: a
+            # preempted sequence whose prompt and outputs outgrew the budget is recomputed in chunks
+            waits_whole = not self.chunked_prefill and seq.num_uncomputed_tokens <= self.token_budget
+            if (waits_whole and n < seq.num_uncomputed_tokens) or not bm.can_allocate(seq, n):
                 bm.free(seq)  # give back matched prefix blocks; they stay cached
                 seq.num_computed_tokens = 0
                 break  # head of the queue waits: nothing behind it jumps ahead

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_features
+
 ENV_SWITCH = "BATCHGEN_ONEDNN"
 PACK_BATCH_HINT = 128  # oneDNN picks its blocking for this many rows; measured good from M=8 to 2048
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -36,9 +38,23 @@ def available() -> bool:
             and hasattr(mkldnn, "_linear_pointwise"))
 
 
+# oneDNN packs bf16 weights only on CPUs with these (its own check, `mkldnn_reorder_linear_weight`)
+BF16_PACK_FLAGS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
+
+
+def packs_dtype(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
+    """Whether oneDNN packs weights of dtype on this CPU (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    if dtype not in PACKED_DTYPES:
+        return False
+    if dtype == torch.bfloat16:
+        flags = cpu_features.cpu_flags() if flags is None else flags
+        return any(need <= flags for need in BF16_PACK_FLAGS)
+    return True
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight (N, K) fp32/bf16 on the CPU -> oneDNN's packed tensor, or None where packing does not apply."""
-    if not (enabled() and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and available()):
+    if not (enabled() and weight.device.type == "cpu" and packs_dtype(weight.dtype) and available()):
         return None
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)

@@ -151,6 +151,26 @@ def test_preemption_step_admits_nothing_new_and_recomputes():
     assert a.num_output_tokens == 10 and b.num_output_tokens == 10
 
 
+def test_a_preempted_sequence_longer_than_the_budget_is_recomputed_in_chunks():
+    """Without chunked prefill a preempted sequence whose prompt and outputs outgrew the token budget
+    could never be scheduled whole again: it is recomputed in chunks instead of waiting forever."""
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=12,
+                           enable_chunked_prefill=False, max_model_len=12)
+    first, second = make_seq(12, 6, rid="first"), make_seq(9, 5, rid="second")
+    sched.add(first)
+    sched.add(second)
+    preempted = []
+    for it in range(40):
+        out = step(sched)
+        preempted += out.preempted
+        assert out.num_scheduled_tokens <= 12
+        if not sched.has_unfinished():
+            break
+    assert [s.request_id for s in preempted] == ["second"]
+    assert second.num_tokens == 9 + 5 > 12  # outgrew the budget before it came back
+    assert first.finish_reason == second.finish_reason == "length"
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     prompts=st.lists(st.tuples(st.integers(1, 120), st.integers(1, 40), st.integers(0, 3),
