@@ -23,9 +23,15 @@
 #include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_AVX512 1
+#define HAVE_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#define HAVE_AVX512 0
+#define HAVE_AVX2 1
 #else
 #define HAVE_AVX512 0
+#define HAVE_AVX2 0
 #endif
+#define HAVE_SIMD (HAVE_AVX512 || HAVE_AVX2)
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 #define PARALLEL_MIN_ELEMS 65536 /* elementwise kernels split rows over threads from this size */
@@ -85,13 +91,6 @@ static inline __m512 sum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd));
 }
 
-/* Ask for the cache lines of n rows of row_bytes each, stride apart (a KV block's rows of one head). */
-static inline void prefetch_rows(const void *base, int n, int64_t stride, int row_bytes) {
-    const char *row = (const char *)base;
-    for (int i = 0; i < n; i++, row += stride)
-        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-}
-
 static inline __m512 bf16x16_to_ps(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -125,6 +124,112 @@ static inline __m256i ps_to_bf16x16(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 #endif
 }
+
+/* The element-wise kernels' vectors: VW fp32 lanes and their operations, one spelling per ISA. */
+typedef __m512 vf;
+#define VW 16
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(x) _mm512_set1_ps(x)
+#define VADD(a, b) _mm512_add_ps((a), (b))
+#define VSUB(a, b) _mm512_sub_ps((a), (b))
+#define VMUL(a, b) _mm512_mul_ps((a), (b))
+#define VDIV(a, b) _mm512_div_ps((a), (b))
+#define VFMADD(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define VFMSUB(a, b, c) _mm512_fmsub_ps((a), (b), (c))
+#define VHSUM(v) _mm512_reduce_add_ps(v)
+#define VEXP(v) exp_ps(v)
+#define VLD_F32(p) _mm512_loadu_ps(p)
+#define VST_F32(p, v) _mm512_storeu_ps((p), (v))
+#define VLD_BF16(p) bf16x16_to_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VST_BF16(p, v) _mm256_storeu_si256((__m256i *)(p), ps_to_bf16x16(v))
+#define VROUND_BF16(v) bf16x16_to_ps(ps_to_bf16x16(v))
+
+#elif HAVE_AVX2
+#include <immintrin.h>
+
+/* exp(x) as exp_ps above, 8 at a time, for x in [-87, 88] (clamped there: e^-87 is as good as 0
+ * next to a softmax's 1, and silu's e^-x only grows); 2^n built in the exponent bits. */
+static inline __m256 exp256_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 u = _mm256_mul_ps(_mm256_sub_ps(y, n), _mm256_set1_ps(0.693147180559945309f));
+    __m256 r = _mm256_set1_ps(1.0f / 5040.0f);
+    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(1.0f / 720.0f));
+    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(1.0f / 120.0f));
+    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(1.0f / 24.0f));
+    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(1.0f / 6.0f));
+    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(0.5f));
+    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(1.0f));
+    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(r, _mm256_castsi256_ps(bits));
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+static inline float hmax256(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+/* lane i of the result = the sum of v[i]'s 8 lanes (a transposing reduction: 7 adds, 2 permutes). */
+static inline __m256 sum8(const __m256 *v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* the first m lanes set (m in 0 .. 8), for masked loads and stores */
+static inline __m256i first_lanes(int m) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+static inline __m256 bf16x8_to_ps(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* 8 floats rounded to bf16 (nearest even in integers; NaNs made quiet) */
+static inline __m128i ps_to_bf16x8(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+typedef __m256 vf;
+#define VW 8
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(x) _mm256_set1_ps(x)
+#define VADD(a, b) _mm256_add_ps((a), (b))
+#define VSUB(a, b) _mm256_sub_ps((a), (b))
+#define VMUL(a, b) _mm256_mul_ps((a), (b))
+#define VDIV(a, b) _mm256_div_ps((a), (b))
+#define VFMADD(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define VFMSUB(a, b, c) _mm256_fmsub_ps((a), (b), (c))
+#define VHSUM(v) hsum256(v)
+#define VEXP(v) exp256_ps(v)
+#define VLD_F32(p) _mm256_loadu_ps(p)
+#define VST_F32(p, v) _mm256_storeu_ps((p), (v))
+#define VLD_BF16(p) bf16x8_to_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VST_BF16(p, v) _mm_storeu_si128((__m128i *)(p), ps_to_bf16x8(v))
+#define VROUND_BF16(v) bf16x8_to_ps(ps_to_bf16x8(v))
+#endif
+
+#if HAVE_SIMD
+/* Ask for the cache lines of n rows of row_bytes each, stride apart (a KV block's rows of one head). */
+static inline void prefetch_rows(const void *base, int n, int64_t stride, int row_bytes) {
+    const char *row = (const char *)base;
+    for (int i = 0; i < n; i++, row += stride)
+        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+}
 #endif
 
 /* ---- fp32 ---- */
@@ -132,8 +237,8 @@ static inline __m256i ps_to_bf16x16(__m512 v) {
 #define SFX f32
 #define LD(p) (*(p))
 #define ST(p, x) (*(p) = (x))
-#define VLD(p) _mm512_loadu_ps(p)
-#define VST(p, v) _mm512_storeu_ps((p), (v))
+#define VLD(p) VLD_F32(p)
+#define VST(p, v) VST_F32(p, v)
 #define VROUND(v) (v)
 #define VLD2(p, a, b) ((a) = _mm512_loadu_ps(p), (b) = _mm512_loadu_ps((p) + 16))
 #define VST2(p, a, b) (_mm512_storeu_ps((p), (a)), _mm512_storeu_ps((p) + 16, (b)))
@@ -155,9 +260,9 @@ static inline __m256i ps_to_bf16x16(__m512 v) {
 #define SFX bf16
 #define LD(p) bf16_to_f32(*(p))
 #define ST(p, x) (*(p) = f32_to_bf16(x))
-#define VLD(p) bf16x16_to_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#define VST(p, v) _mm256_storeu_si256((__m256i *)(p), ps_to_bf16x16(v))
-#define VROUND(v) bf16x16_to_ps(ps_to_bf16x16(v))
+#define VLD(p) VLD_BF16(p)
+#define VST(p, v) VST_BF16(p, v)
+#define VROUND(v) VROUND_BF16(v)
 #define VLD2(p, a, b) bf16x32_to_ps_pairs(p, &(a), &(b))
 #define VST2(p, a, b) ps_pairs_to_bf16x32(p, a, b)
 #if defined(__AVX512BF16__)

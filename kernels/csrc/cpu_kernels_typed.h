@@ -9,7 +9,8 @@
  *                order is what converts fastest (bf16: evens, then odds; f32: as in memory), and
  *                dot products and element-wise sums do not care which it is.
  *   DP_BF16      1 where keys are bf16 and the CPU has vdpbf16ps, which multiplies raw bf16 pairs
- * Arithmetic is fp32 throughout; only loads and stores know T. The V* macros exist with AVX-512.
+ * Arithmetic is fp32 throughout; only loads and stores know T. VLD/VST/VROUND take VW lanes (16 with
+ * AVX-512, 8 with AVX2; vf, VADD, ... in cpu_kernels.c); VLD2/VST2 and DP_BF16 exist with AVX-512.
  */
 
 #define FN(name) CAT(name, SFX)
@@ -219,6 +220,120 @@ static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, float *scores) {
     }
 }
 #undef AVX512_CASE
+#elif HAVE_AVX2
+/* attend_item for AVX2 machines: G query heads per KV head and a head dim of 8*C, compile-time after
+ * inlining. Scores are made 8 keys at a time (each key loaded once for the G heads, one transposing
+ * reduction, sum8, per head); the next block's rows are prefetched; the softmax's exponentials
+ * are taken 8 at a time. */
+static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PROBLEM *p, int64_t item,
+                                                                       float *scores, const int G,
+                                                                       const int C) {
+    const int hkv = p->num_kv_heads, D = 8 * C, B = p->block_size;
+    const int64_t s = item / hkv;
+    const int h = (int)(item % hkv);
+    const int ctx = p->context_lens[s];
+    const int32_t *table = p->block_tables + s * p->block_table_stride;
+    const int64_t token_stride = (int64_t)hkv * D;
+    T *out = p->out + (s * p->num_q_heads + (int64_t)h * G) * D;
+    const int row_bytes = D * (int)sizeof(T);
+    const __m256 scale = _mm256_set1_ps(p->scale);
+    __m256 qv[8][16], dots[8][8], acc[8][16];
+    for (int g = 0; g < G; g++) {
+        const T *src = p->q + s * p->q_seq_stride + (int64_t)(h * G + g) * p->q_head_stride;
+        for (int c = 0; c < C; c++) qv[g][c] = VLD(src + 8 * c);
+    }
+    /* pass 1: scores */
+    for (int t0 = 0; t0 < ctx; t0 += B) {
+        const int n = ctx - t0 < B ? ctx - t0 : B;
+        const T *k = p->k_cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
+        if (t0 + B < ctx)
+            prefetch_rows(p->k_cache + ((int64_t)table[t0 / B + 1] * B * hkv + h) * D,
+                          ctx - t0 - B < B ? ctx - t0 - B : B, token_stride * (int64_t)sizeof(T), row_bytes);
+        for (int i0 = 0; i0 < n; i0 += 8) {
+            const int m = n - i0 < 8 ? n - i0 : 8;
+            for (int i = 0; i < m; i++, k += token_stride) {
+                __m256 kc[16];
+                for (int c = 0; c < C; c++) kc[c] = VLD(k + 8 * c);
+                for (int g = 0; g < G; g++) {
+                    __m256 dot = _mm256_mul_ps(qv[g][0], kc[0]);
+                    for (int c = 1; c < C; c++) dot = _mm256_fmadd_ps(qv[g][c], kc[c], dot);
+                    dots[g][i] = dot;
+                }
+            }
+            for (int g = 0; g < G; g++) {
+                for (int i = m; i < 8; i++) dots[g][i] = _mm256_setzero_ps();
+                const __m256 r = _mm256_mul_ps(sum8(dots[g]), scale);
+                float *dst = scores + (int64_t)g * ctx + t0 + i0;
+                if (m == 8) _mm256_storeu_ps(dst, r);
+                else _mm256_maskstore_ps(dst, first_lanes(m), r);
+            }
+        }
+    }
+    /* pass 2: softmax numerators in place (8 at a time, the tail one by one) */
+    float inv_sum[8];
+    for (int g = 0; g < G; g++) {
+        float *row = scores + (int64_t)g * ctx;
+        __m256 mxv = _mm256_set1_ps(-INFINITY);
+        int t = 0;
+        for (; t + 8 <= ctx; t += 8) mxv = _mm256_max_ps(mxv, _mm256_loadu_ps(row + t));
+        float mx = hmax256(mxv);
+        for (; t < ctx; t++) mx = row[t] > mx ? row[t] : mx;
+        const __m256 m = _mm256_set1_ps(mx);
+        __m256 sumv = _mm256_setzero_ps();
+        for (t = 0; t + 8 <= ctx; t += 8) {
+            const __m256 e = exp256_ps(_mm256_sub_ps(_mm256_loadu_ps(row + t), m));
+            _mm256_storeu_ps(row + t, e);
+            sumv = _mm256_add_ps(sumv, e);
+        }
+        float sum = hsum256(sumv);
+        for (; t < ctx; t++) {
+            row[t] = expf(row[t] - mx);
+            sum += row[t];
+        }
+        inv_sum[g] = 1.0f / sum;
+    }
+    /* pass 3: weighted sum of values */
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) acc[g][c] = _mm256_setzero_ps();
+    for (int t0 = 0; t0 < ctx; t0 += B) {
+        const int n = ctx - t0 < B ? ctx - t0 : B;
+        const T *v = p->v_cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
+        if (t0 + B < ctx)
+            prefetch_rows(p->v_cache + ((int64_t)table[t0 / B + 1] * B * hkv + h) * D,
+                          ctx - t0 - B < B ? ctx - t0 - B : B, token_stride * (int64_t)sizeof(T), row_bytes);
+        for (int i = 0; i < n; i++, v += token_stride) {
+            __m256 vc[16];
+            for (int c = 0; c < C; c++) vc[c] = VLD(v + 8 * c);
+            for (int g = 0; g < G; g++) {
+                const __m256 w = _mm256_set1_ps(scores[(int64_t)g * ctx + t0 + i]);
+                for (int c = 0; c < C; c++) acc[g][c] = _mm256_fmadd_ps(w, vc[c], acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m256 r = _mm256_set1_ps(inv_sum[g]);
+        for (int c = 0; c < C; c++) VST(out + g * D + 8 * c, _mm256_mul_ps(acc[g][c], r));
+    }
+}
+
+#define AVX2_CASE(G_, C_) \
+    case (G_) * 32 + (C_): \
+        FN(attend_item_avx2)(p, item, scores, G_, C_); \
+        return 1;
+
+/* 1 when a specialised kernel took the item, 0 when the generic one must. */
+static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, float *scores) {
+    const int G = p->num_q_heads / p->num_kv_heads;
+    if (p->head_dim % 8) return 0;
+    switch (G * 32 + p->head_dim / 8) {
+        AVX2_CASE(1, 4) AVX2_CASE(2, 4) AVX2_CASE(3, 4) AVX2_CASE(4, 4)
+        AVX2_CASE(1, 8) AVX2_CASE(2, 8) AVX2_CASE(3, 8) AVX2_CASE(4, 8)
+        AVX2_CASE(5, 8) AVX2_CASE(6, 8) AVX2_CASE(7, 8) AVX2_CASE(8, 8)
+        AVX2_CASE(1, 16) AVX2_CASE(2, 16) AVX2_CASE(3, 16) AVX2_CASE(4, 16)
+        default: return 0;
+    }
+}
+#undef AVX2_CASE
 #else
 static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, float *scores) {
     (void)p, (void)item, (void)scores;
@@ -273,17 +388,17 @@ void FN(rms_norm)(const T *x, int64_t x_stride, const T *residual, const T *weig
         const T *r = xr;
         int64_t d = 0;
         float ss = 0.0f;
-#if HAVE_AVX512
-        __m512 ssv = _mm512_setzero_ps();
+#if HAVE_SIMD
+        vf ssv = VZERO();
 #endif
         if (residual) {
             T *ro = residual_out + t * dim;
             const T *rr = residual + t * dim;
-#if HAVE_AVX512
-            for (; d + 16 <= dim; d += 16) {
-                const __m512 sum = VROUND(_mm512_add_ps(VLD(xr + d), VLD(rr + d)));
+#if HAVE_SIMD
+            for (; d + VW <= dim; d += VW) {
+                const vf sum = VROUND(VADD(VLD(xr + d), VLD(rr + d)));
                 VST(ro + d, sum);
-                ssv = _mm512_fmadd_ps(sum, sum, ssv);
+                ssv = VFMADD(sum, sum, ssv);
             }
 #endif
             for (; d < dim; d++) {
@@ -292,24 +407,23 @@ void FN(rms_norm)(const T *x, int64_t x_stride, const T *residual, const T *weig
             }
             r = ro;
         } else {
-#if HAVE_AVX512
-            for (; d + 16 <= dim; d += 16) {
-                const __m512 v = VLD(xr + d);
-                ssv = _mm512_fmadd_ps(v, v, ssv);
+#if HAVE_SIMD
+            for (; d + VW <= dim; d += VW) {
+                const vf v = VLD(xr + d);
+                ssv = VFMADD(v, v, ssv);
             }
 #endif
             for (; d < dim; d++) ss += LD(xr + d) * LD(xr + d);
         }
-#if HAVE_AVX512
-        ss += _mm512_reduce_add_ps(ssv);
+#if HAVE_SIMD
+        ss += VHSUM(ssv);
 #endif
         const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
         T *o = out + t * dim;
         d = 0;
-#if HAVE_AVX512
-        const __m512 invv = _mm512_set1_ps(inv);
-        for (; d + 16 <= dim; d += 16)
-            VST(o + d, _mm512_mul_ps(VLD(weight + d), VROUND(_mm512_mul_ps(VLD(r + d), invv))));
+#if HAVE_SIMD
+        const vf invv = VSET1(inv);
+        for (; d + VW <= dim; d += VW) VST(o + d, VMUL(VLD(weight + d), VROUND(VMUL(VLD(r + d), invv))));
 #endif
         for (; d < dim; d++) {
             T normed;
@@ -338,11 +452,11 @@ int64_t FN(rotary)(const int64_t *positions, T *q, int64_t q_tok_stride, int64_t
                           : k + t * k_tok_stride + (h - nq) * k_head_stride;
             T *x2 = x + half;
             int64_t i = 0;
-#if HAVE_AVX512
-            for (; i + 16 <= half; i += 16) {
-                const __m512 a = VLD(x + i), b = VLD(x2 + i), cv = VLD(c + i), sv = VLD(sn + i);
-                VST(x + i, _mm512_fmsub_ps(a, cv, _mm512_mul_ps(b, sv)));
-                VST(x2 + i, _mm512_fmadd_ps(b, cv, _mm512_mul_ps(a, sv)));
+#if HAVE_SIMD
+            for (; i + VW <= half; i += VW) {
+                const vf a = VLD(x + i), b = VLD(x2 + i), cv = VLD(c + i), sv = VLD(sn + i);
+                VST(x + i, VFMSUB(a, cv, VMUL(b, sv)));
+                VST(x2 + i, VFMADD(b, cv, VMUL(a, sv)));
             }
 #endif
             for (; i < half; i++) {
@@ -363,13 +477,12 @@ void FN(silu_and_mul)(const T *x, int64_t x_stride, T *out, int64_t rows, int64_
         const T *g = x + t * x_stride, *u = g + inter;
         T *o = out + t * inter;
         int64_t i = 0;
-#if HAVE_AVX512
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= inter; i += 16) {
-            const __m512 gv = VLD(g + i);
-            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-            const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, e));
-            VST(o + i, _mm512_mul_ps(silu, VLD(u + i)));
+#if HAVE_SIMD
+        const vf one = VSET1(1.0f);
+        for (; i + VW <= inter; i += VW) {
+            const vf gv = VLD(g + i);
+            const vf silu = VDIV(gv, VADD(one, VEXP(VSUB(VZERO(), gv))));
+            VST(o + i, VMUL(silu, VLD(u + i)));
         }
 #endif
         for (; i < inter; i++) {

@@ -160,7 +160,7 @@ def test_a_preempted_sequence_longer_than_the_budget_is_recomputed_in_chunks():
     sched.add(first)
     sched.add(second)
     preempted = []
-    for it in range(40):
+    for _ in range(40):
         out = step(sched)
         preempted += out.preempted
         assert out.num_scheduled_tokens <= 12
