@@ -51,6 +51,14 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* e^u for |u| <= 0.35 by its degree-7 Taylor polynomial (Horner), in any vector width */
+#define EXP_TAYLOR7(V, FMA, SET1, u) ({                                                              \
+    V r_ = SET1(1.0f / 5040.0f);                                                                     \
+    const float c_[7] = {1.0f / 720.0f, 1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}; \
+    for (int i_ = 0; i_ < 7; i_++) r_ = FMA(r_, (u), SET1(c_[i_]));                                 \
+    r_;                                                                                               \
+})
+
 #if HAVE_AVX512
 #include <immintrin.h>
 
@@ -62,14 +70,7 @@ static inline __m512 exp_ps(__m512 x) {
                                    _mm512_set1_ps(-200.0f));
     const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 u = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f));
-    __m512 r = _mm512_set1_ps(1.0f / 5040.0f);
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f / 720.0f));
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f / 120.0f));
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f / 24.0f));
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f / 6.0f));
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(0.5f));
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f));
-    r = _mm512_fmadd_ps(r, u, _mm512_set1_ps(1.0f));
+    const __m512 r = EXP_TAYLOR7(__m512, _mm512_fmadd_ps, _mm512_set1_ps, u);
     return _mm512_scalef_ps(r, n);
 }
 
@@ -154,14 +155,7 @@ static inline __m256 exp256_ps(__m256 x) {
     const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 u = _mm256_mul_ps(_mm256_sub_ps(y, n), _mm256_set1_ps(0.693147180559945309f));
-    __m256 r = _mm256_set1_ps(1.0f / 5040.0f);
-    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(1.0f / 720.0f));
-    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(1.0f / 120.0f));
-    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(1.0f / 24.0f));
-    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(1.0f / 6.0f));
-    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(0.5f));
-    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(1.0f));
-    r = _mm256_fmadd_ps(r, u, _mm256_set1_ps(1.0f));
+    const __m256 r = EXP_TAYLOR7(__m256, _mm256_fmadd_ps, _mm256_set1_ps, u);
     const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(r, _mm256_castsi256_ps(bits));
 }
@@ -243,17 +237,7 @@ static inline void prefetch_rows(const void *base, int n, int64_t stride, int ro
 #define VLD2(p, a, b) ((a) = _mm512_loadu_ps(p), (b) = _mm512_loadu_ps((p) + 16))
 #define VST2(p, a, b) (_mm512_storeu_ps((p), (a)), _mm512_storeu_ps((p) + 16, (b)))
 #define DP_BF16 0
-#include "cpu_kernels_typed.h"
-#undef T
-#undef SFX
-#undef LD
-#undef ST
-#undef VLD
-#undef VST
-#undef VROUND
-#undef VLD2
-#undef VST2
-#undef DP_BF16
+#include "cpu_kernels_typed.h" /* which undefines the parameters above */
 
 /* ---- bf16 (uint16_t bits) ---- */
 #define T uint16_t
@@ -270,17 +254,7 @@ static inline void prefetch_rows(const void *base, int n, int64_t stride, int ro
 #else
 #define DP_BF16 0
 #endif
-#include "cpu_kernels_typed.h"
-#undef T
-#undef SFX
-#undef LD
-#undef ST
-#undef VLD
-#undef VST
-#undef VROUND
-#undef VLD2
-#undef VST2
-#undef DP_BF16
+#include "cpu_kernels_typed.h" /* which undefines the parameters above */
 
 
 /* key/value (T, Hkv, D) rows (token strides given in bytes, heads and dims contiguous) into the

@@ -28,15 +28,20 @@ typedef struct {
     float scale;
 } PROBLEM;
 
+/* A work item's locals: its sequence s and KV head h, context length, block table, the elements
+ * between consecutive tokens of a block, and its G output rows (contiguous); G defined before. */
+#define ITEM_LOCALS(D_)                                                         \
+    const int hkv = p->num_kv_heads, D = (D_), B = p->block_size;               \
+    const int64_t s = item / hkv;                                               \
+    const int h = (int)(item % hkv);                                            \
+    const int ctx = p->context_lens[s];                                         \
+    const int32_t *table = p->block_tables + s * p->block_table_stride;         \
+    const int64_t token_stride = (int64_t)hkv * D;                              \
+    T *out = p->out + (s * p->num_q_heads + (int64_t)h * G) * D;
+
 static void FN(attend_item)(const PROBLEM *p, int64_t item, float *scores, float *qs) {
-    const int hkv = p->num_kv_heads, D = p->head_dim, B = p->block_size;
-    const int G = p->num_q_heads / hkv;
-    const int64_t s = item / hkv;
-    const int h = (int)(item % hkv);
-    const int ctx = p->context_lens[s];
-    const int32_t *table = p->block_tables + s * p->block_table_stride;
-    const int64_t token_stride = (int64_t)hkv * D; /* elements between consecutive tokens of a block */
-    T *out = p->out + (s * p->num_q_heads + (int64_t)h * G) * D; /* G heads, contiguous */
+    const int G = p->num_q_heads / p->num_kv_heads;
+    ITEM_LOCALS(p->head_dim)
     float *acc = qs + (size_t)G * D;                                /* G fp32 output rows */
 
     for (int g = 0; g < G; g++) { /* scaled copy of the G query rows, contiguous */
@@ -95,13 +100,7 @@ static void FN(attend_item)(const PROBLEM *p, int64_t item, float *scores, float
 static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const PROBLEM *p, int64_t item,
                                                                          float *scores, const int G,
                                                                          const int C) {
-    const int hkv = p->num_kv_heads, D = 16 * C, B = p->block_size;
-    const int64_t s = item / hkv;
-    const int h = (int)(item % hkv);
-    const int ctx = p->context_lens[s];
-    const int32_t *table = p->block_tables + s * p->block_table_stride;
-    const int64_t token_stride = (int64_t)hkv * D;
-    T *out = p->out + (s * p->num_q_heads + (int64_t)h * G) * D;
+    ITEM_LOCALS(16 * C)
     __m512 acc[8][8], dots[8][16];
     const __m512 scale = _mm512_set1_ps(p->scale);
     const int row_bytes = D * (int)sizeof(T);
@@ -202,24 +201,6 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
     }
 }
 
-#define AVX512_CASE(G_, C_) \
-    case (G_) * 16 + (C_): \
-        FN(attend_item_avx512)(p, item, scores, G_, C_); \
-        return 1;
-
-/* 1 when a specialised kernel took the item, 0 when the generic one must. */
-static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, float *scores) {
-    const int G = p->num_q_heads / p->num_kv_heads;
-    if (p->head_dim % 16) return 0;
-    switch (G * 16 + p->head_dim / 16) {
-        AVX512_CASE(1, 2) AVX512_CASE(2, 2) AVX512_CASE(3, 2) AVX512_CASE(4, 2)
-        AVX512_CASE(1, 4) AVX512_CASE(2, 4) AVX512_CASE(3, 4) AVX512_CASE(4, 4)
-        AVX512_CASE(5, 4) AVX512_CASE(6, 4) AVX512_CASE(7, 4) AVX512_CASE(8, 4)
-        AVX512_CASE(1, 8) AVX512_CASE(2, 8) AVX512_CASE(3, 8) AVX512_CASE(4, 8)
-        default: return 0;
-    }
-}
-#undef AVX512_CASE
 #elif HAVE_AVX2
 /* attend_item for AVX2 machines: G query heads per KV head and a head dim of 8*C, compile-time after
  * inlining. Scores are made 8 keys at a time (each key loaded once for the G heads, one transposing
@@ -228,13 +209,7 @@ static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, float *scores) {
 static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PROBLEM *p, int64_t item,
                                                                        float *scores, const int G,
                                                                        const int C) {
-    const int hkv = p->num_kv_heads, D = 8 * C, B = p->block_size;
-    const int64_t s = item / hkv;
-    const int h = (int)(item % hkv);
-    const int ctx = p->context_lens[s];
-    const int32_t *table = p->block_tables + s * p->block_table_stride;
-    const int64_t token_stride = (int64_t)hkv * D;
-    T *out = p->out + (s * p->num_q_heads + (int64_t)h * G) * D;
+    ITEM_LOCALS(8 * C)
     const int row_bytes = D * (int)sizeof(T);
     const __m256 scale = _mm256_set1_ps(p->scale);
     __m256 qv[8][16], dots[8][8], acc[8][16];
@@ -316,24 +291,33 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
     }
 }
 
-#define AVX2_CASE(G_, C_) \
-    case (G_) * 32 + (C_): \
-        FN(attend_item_avx2)(p, item, scores, G_, C_); \
+#endif
+
+#if HAVE_SIMD
+#if HAVE_AVX512
+#define ATTEND_SIMD FN(attend_item_avx512)
+#else
+#define ATTEND_SIMD FN(attend_item_avx2)
+#endif
+#define SIMD_CASE(G_, D_) \
+    case (G_) * 256 + (D_) / VW: \
+        ATTEND_SIMD(p, item, scores, G_, (D_) / VW); \
         return 1;
 
 /* 1 when a specialised kernel took the item, 0 when the generic one must. */
 static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, float *scores) {
     const int G = p->num_q_heads / p->num_kv_heads;
-    if (p->head_dim % 8) return 0;
-    switch (G * 32 + p->head_dim / 8) {
-        AVX2_CASE(1, 4) AVX2_CASE(2, 4) AVX2_CASE(3, 4) AVX2_CASE(4, 4)
-        AVX2_CASE(1, 8) AVX2_CASE(2, 8) AVX2_CASE(3, 8) AVX2_CASE(4, 8)
-        AVX2_CASE(5, 8) AVX2_CASE(6, 8) AVX2_CASE(7, 8) AVX2_CASE(8, 8)
-        AVX2_CASE(1, 16) AVX2_CASE(2, 16) AVX2_CASE(3, 16) AVX2_CASE(4, 16)
+    if (p->head_dim % VW) return 0;
+    switch (G * 256 + p->head_dim / VW) {
+        SIMD_CASE(1, 32) SIMD_CASE(2, 32) SIMD_CASE(3, 32) SIMD_CASE(4, 32)
+        SIMD_CASE(1, 64) SIMD_CASE(2, 64) SIMD_CASE(3, 64) SIMD_CASE(4, 64)
+        SIMD_CASE(5, 64) SIMD_CASE(6, 64) SIMD_CASE(7, 64) SIMD_CASE(8, 64)
+        SIMD_CASE(1, 128) SIMD_CASE(2, 128) SIMD_CASE(3, 128) SIMD_CASE(4, 128)
         default: return 0;
     }
 }
-#undef AVX2_CASE
+#undef SIMD_CASE
+#undef ATTEND_SIMD
 #else
 static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, float *scores) {
     (void)p, (void)item, (void)scores;
@@ -494,3 +478,15 @@ void FN(silu_and_mul)(const T *x, int64_t x_stride, T *out, int64_t rows, int64_
 
 #undef PROBLEM
 #undef FN
+#undef ITEM_LOCALS
+/* the including file's parameters, so that it can include this again for another type */
+#undef T
+#undef SFX
+#undef LD
+#undef ST
+#undef VLD
+#undef VST
+#undef VROUND
+#undef VLD2
+#undef VST2
+#undef DP_BF16
