@@ -15,6 +15,7 @@ the torch path runs instead; `BATCHGEN_NATIVE=0` turns the native path off.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -39,6 +40,7 @@ CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fasso
 # kernels, one that does not know -march=native (some clang targets) still gets portable ones
 FALLBACK_DROPS = [(), ("-fopenmp",), ("-fopenmp", "-march=native")]
 ENV_SWITCH = "BATCHGEN_NATIVE"
+BUILD_TIMEOUT_S = 300  # ~30 s is usual on 2 cores (the attention's specialisations, both dtypes)
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -69,7 +71,7 @@ def compiler() -> str | None:
 
 def build(cc: str, out_dir: Path, flags: list[str] | None = None) -> Path:
     """Compile SOURCE into out_dir (named by a hash of source, flags and CPU); returns the .so path.
-    The file appears atomically, so concurrent workers may build at once."""
+    The file appears atomically, and a lock file makes concurrent builders of one key wait for the first."""
     flags = CFLAGS if flags is None else flags
     source = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS])
     key = hashlib.sha256(b"\0".join([source, " ".join([cc, *flags]).encode(),
@@ -78,17 +80,23 @@ def build(cc: str, out_dir: Path, flags: list[str] | None = None) -> Path:
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # one compile per key at a time: the workers a run starts at once wait for the first one's
+    # library instead of each compiling (tens of seconds each on 2 cores, slower together)
+    with open(out_dir / f"cpu_kernels-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                                  text=True, timeout=BUILD_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -131,6 +132,22 @@ def _fresh_build_with(monkeypatch, tmp_path, script: str) -> None:
     cc.write_text("#!/bin/sh\n" + script)
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
+
+
+def test_concurrent_builders_of_one_library_compile_it_once(tmp_path):
+    """Workers started together wait on the build lock for the first one's library (a fake compiler that
+    counts its runs and writes a placeholder, slowly enough that all four builders overlap)."""
+    runs = tmp_path / "runs"
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\necho run >> "' + str(runs) + '"\nsleep 0.5\n'
+                  'while [ "$1" != -o ]; do shift; done\necho fake > "$2"\n')
+    cc.chmod(0o755)
+    out = tmp_path / "native"
+    with ThreadPoolExecutor(4) as pool:
+        paths = list(pool.map(lambda _: cpu_native.build(str(cc), out), range(4)))
+    assert len(set(paths)) == 1 and paths[0].read_text() == "fake\n"
+    assert runs.read_text().splitlines() == ["run"]
+    assert sorted(p.suffix for p in out.iterdir()) == [".lock", ".so"]  # no temporaries left
 
 
 def test_a_compiler_without_openmp_still_gets_serial_kernels(monkeypatch, tmp_path, caplog):
