@@ -73,7 +73,7 @@
           paths: uPlot.paths.bars({ size: [0.9, 6] }), points: { show: false }, value: valueFmt(0) }],
       axes: [xAxis, yAxis("KV blocks", { incrs: bg.countIncrs }),
         { ...axisStyle, scale: "p", side: 1, label: "preempted", labelSize: 18, size: bg.fitAxisSize, grid: { show: false },
-          incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000], values: (u, v) => v.map(fmt.compact) }],
+          incrs: bg.countIncrs, values: (u, v) => v.map(fmt.compact) }],
     }, s.ts ? [s.ts, s.kv_blocks_used, s.kv_blocks_total, s.num_preempted] : [[]], "no engine iterations yet");
   }
 

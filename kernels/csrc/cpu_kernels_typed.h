@@ -91,6 +91,19 @@ static void FN(attend_item)(const PROBLEM *p, int64_t item, float *scores, float
         for (int d = 0; d < D; d++) ST(out + g * D + d, acc[g * D + d] * inv_sum[g]);
 }
 
+#if HAVE_SIMD
+/* The rows of KV head h in the cache block that holds token t0 (token_stride apart), after asking for
+ * the next block's rows, if the context goes on (blocks lie anywhere in the cache). */
+static inline const T *FN(block_rows)(const T *cache, const int32_t *table, int t0, int ctx, int B, int hkv,
+                                      int h, int D) {
+    const int64_t token_bytes = (int64_t)hkv * D * (int64_t)sizeof(T);
+    if (t0 + B < ctx)
+        prefetch_rows(cache + ((int64_t)table[t0 / B + 1] * B * hkv + h) * D, ctx - t0 - B < B ? ctx - t0 - B : B,
+                      token_bytes, D * (int)sizeof(T));
+    return cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
+}
+#endif
+
 #if HAVE_AVX512
 /* attend_item for G query heads per KV head and a head dim of 16*C (C even), both compile-time
  * after inlining, so the G*C query and accumulator vectors live in registers. Scores are made 16 keys at
@@ -103,7 +116,6 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
     ITEM_LOCALS(16 * C)
     __m512 acc[8][8], dots[8][16];
     const __m512 scale = _mm512_set1_ps(p->scale);
-    const int row_bytes = D * (int)sizeof(T);
 #if DP_BF16
     __m512bh qb[8][4]; /* raw bf16 query pairs */
     for (int g = 0; g < G; g++) {
@@ -120,10 +132,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
     /* pass 1: scores */
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *k = p->k_cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
-        if (t0 + B < ctx)
-            prefetch_rows(p->k_cache + ((int64_t)table[t0 / B + 1] * B * hkv + h) * D,
-                          ctx - t0 - B < B ? ctx - t0 - B : B, token_stride * (int64_t)sizeof(T), row_bytes);
+        const T *k = FN(block_rows)(p->k_cache, table, t0, ctx, B, hkv, h, D);
         for (int i0 = 0; i0 < n; i0 += 16) {
             const int m = n - i0 < 16 ? n - i0 : 16;
             for (int i = 0; i < m; i++, k += token_stride) {
@@ -181,10 +190,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
         for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_ps();
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *v = p->v_cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
-        if (t0 + B < ctx)
-            prefetch_rows(p->v_cache + ((int64_t)table[t0 / B + 1] * B * hkv + h) * D,
-                          ctx - t0 - B < B ? ctx - t0 - B : B, token_stride * (int64_t)sizeof(T), row_bytes);
+        const T *v = FN(block_rows)(p->v_cache, table, t0, ctx, B, hkv, h, D);
         for (int i = 0; i < n; i++, v += token_stride) {
             __m512 vc[8];
             for (int c = 0; c < C / 2; c++) VLD2(v + 32 * c, vc[2 * c], vc[2 * c + 1]);
@@ -210,7 +216,6 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
                                                                        float *scores, const int G,
                                                                        const int C) {
     ITEM_LOCALS(8 * C)
-    const int row_bytes = D * (int)sizeof(T);
     const __m256 scale = _mm256_set1_ps(p->scale);
     __m256 qv[8][16], dots[8][8], acc[8][16];
     for (int g = 0; g < G; g++) {
@@ -220,10 +225,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
     /* pass 1: scores */
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *k = p->k_cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
-        if (t0 + B < ctx)
-            prefetch_rows(p->k_cache + ((int64_t)table[t0 / B + 1] * B * hkv + h) * D,
-                          ctx - t0 - B < B ? ctx - t0 - B : B, token_stride * (int64_t)sizeof(T), row_bytes);
+        const T *k = FN(block_rows)(p->k_cache, table, t0, ctx, B, hkv, h, D);
         for (int i0 = 0; i0 < n; i0 += 8) {
             const int m = n - i0 < 8 ? n - i0 : 8;
             for (int i = 0; i < m; i++, k += token_stride) {
@@ -272,10 +274,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
         for (int c = 0; c < C; c++) acc[g][c] = _mm256_setzero_ps();
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *v = p->v_cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
-        if (t0 + B < ctx)
-            prefetch_rows(p->v_cache + ((int64_t)table[t0 / B + 1] * B * hkv + h) * D,
-                          ctx - t0 - B < B ? ctx - t0 - B : B, token_stride * (int64_t)sizeof(T), row_bytes);
+        const T *v = FN(block_rows)(p->v_cache, table, t0, ctx, B, hkv, h, D);
         for (int i = 0; i < n; i++, v += token_stride) {
             __m256 vc[16];
             for (int c = 0; c < C; c++) vc[c] = VLD(v + 8 * c);
