@@ -24,7 +24,8 @@ from tests.jobs.helpers import LEASE_TTL_S, MODEL, shards_of, wait_for
 
 pytestmark = pytest.mark.slow
 
-NUM_ROWS, SHARD_SIZE = 8, 2
+NUM_ROWS, SHARD_SIZE = 16, 2  # shards of seconds each: enough of them that Ctrl-C lands mid-job
+NUM_SHARDS = NUM_ROWS // SHARD_SIZE
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -69,8 +70,8 @@ def test_ctrl_c_hands_back_and_the_same_command_resumes(tmp_path):
         first.kill()
     assert first.returncode == 130, stdout + stderr
     assert not out.exists(), "an interrupted job writes no output"
-    state = re.search(r"interrupted with (\d) of 4 shard\(s\) committed \((\d+) of 8 rows\), 0 failed, "
-                      r"(\d) queued to run", stderr)
+    state = re.search(rf"interrupted with (\d+) of {NUM_SHARDS} shard\(s\) committed "
+                      rf"\((\d+) of {NUM_ROWS} rows\), 0 failed, (\d+) queued to run", stderr)
     assert state, stderr
     committed_before = {s: r for s, r in shards_of(data, m.job_id).items() if r["status"] == "completed"}
     assert len(committed_before) == int(state.group(1)) >= 1 and int(state.group(3)) >= 1
@@ -79,7 +80,8 @@ def test_ctrl_c_hands_back_and_the_same_command_resumes(tmp_path):
     ended = [leases.view(s, a[-1]).state.state for s, a in leases.claimed_attempts().items()]
     assert "running" not in ended, ended
     assert not _alive(_worker_pids(m)), "no worker outlives the run"
-    assert re.search(r"\d+/8 rows \(\d+%\), shards \d/4 committed, \d running", stderr), "progress log lines"
+    progress = rf"\d+/{NUM_ROWS} rows \(\d+%\), shards \d+/{NUM_SHARDS} committed, \d running"
+    assert re.search(progress, stderr), "progress log lines"
     resume = re.search(r"resume with: (.*)", stderr).group(1)
     assert f"--job-id {m.job_id}" in resume
 
@@ -87,7 +89,8 @@ def test_ctrl_c_hands_back_and_the_same_command_resumes(tmp_path):
     again = subprocess.run(_cli(*shlex.split(resume)[1:]), capture_output=True, text=True, env=_env(),
                            timeout=600)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert f"resuming job {m.job_id}: {len(committed_before)} of 4 shard(s) already committed" in again.stderr
+    resuming = f"resuming job {m.job_id}: {len(committed_before)} of {NUM_SHARDS} shard(s) already committed"
+    assert resuming in again.stderr
     table = pq.read_table(out).to_pylist()
     assert [r["request_id"] for r in table] == [f"r{i}" for i in range(NUM_ROWS)]
     assert all(r["finish_reason"] == "length" and r["output_tokens"] == 1500 for r in table)
@@ -100,7 +103,8 @@ def test_ctrl_c_hands_back_and_the_same_command_resumes(tmp_path):
     out.unlink()
     third = subprocess.run(_cli(*args), capture_output=True, text=True, env=_env(), timeout=300)
     assert third.returncode == 0, third.stdout + third.stderr
-    assert "4 of 4 shard(s) already committed, 0 to run" in third.stderr and out.exists()
+    done = f"{NUM_SHARDS} of {NUM_SHARDS} shard(s) already committed, 0 to run"
+    assert done in third.stderr and out.exists()
 
     # --job-id of that job with other settings is refused
     other = subprocess.run(_cli(*args, "--max-tokens", "3", "--job-id", m.job_id), capture_output=True,
