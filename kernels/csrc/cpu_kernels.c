@@ -13,11 +13,17 @@
  *   pass 1  scores[g, t] = scale * q_g . k_t          (each key read once for all G heads)
  *   pass 2  p[g, t] = exp(scores[g, t] - max_t), l_g = sum_t p[g, t]
  *   pass 3  out_g = (sum_t p[g, t] v_t) / l_g          (each value read once for all G heads)
- * Items are shared out across OpenMP threads in small dynamic chunks. With
+ * Each OpenMP thread takes a contiguous run of items of about equal total context, so it knows its
+ * next item and asks for that item's keys (values) while it reads this one's: the decode step's KV
+ * comes from DRAM (every layer's cache is far larger than L3), and latency, not bandwidth, was what
+ * bounded the kernel. With
  * AVX-512 and G <= 8, head_dim in {32, 64, 128}, a specialised version keeps queries and
  * accumulators in registers and computes the softmax's exponentials 16 at a time.
  */
 #include <math.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -225,6 +231,20 @@ static inline void prefetch_rows(const void *base, int n, int64_t stride, int ro
         for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
 }
 #endif
+
+/* Thread t of n takes work items [first_item_of(t), first_item_of(t + 1)): contiguous runs of about
+ * equal cost, an item (s, h) costing its context plus a fixed part. Contiguous, so that a thread
+ * knows its next item; balanced, since contexts differ (a static schedule of counts would not be). */
+static int64_t first_item_of(const int32_t *context_lens, int hkv, int64_t items, int t, int n) {
+    if (t <= 0) return 0;
+    if (t >= n) return items;
+    int64_t total = 0;
+    for (int64_t it = 0; it < items; it++) total += context_lens[it / hkv] + 32;
+    const int64_t target = total * t / n;
+    int64_t before = 0, it = 0;
+    for (; it < items && before < target; it++) before += context_lens[it / hkv] + 32;
+    return it;
+}
 
 /* ---- fp32 ---- */
 #define T float

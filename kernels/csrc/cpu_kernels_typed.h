@@ -102,6 +102,19 @@ static inline const T *FN(block_rows)(const T *cache, const int32_t *table, int 
                       token_bytes, D * (int)sizeof(T));
     return cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
 }
+
+/* Ask for the rows of blocks [j0, j1) of work item `item` (none when it is -1) in cache (keys or
+ * values), clipped to its context: the thread's next item, while it reads this one. */
+static inline void FN(prefetch_item_blocks)(const PROBLEM *p, const T *cache, int64_t item, int j0, int j1) {
+    if (item < 0) return;
+    const int hkv = p->num_kv_heads, D = p->head_dim, B = p->block_size;
+    const int64_t s = item / hkv;
+    const int h = (int)(item % hkv), ctx = p->context_lens[s];
+    const int32_t *table = p->block_tables + s * p->block_table_stride;
+    for (int j = j0; j < j1 && j * B < ctx; j++)
+        prefetch_rows(cache + ((int64_t)table[j] * B * hkv + h) * D, ctx - j * B < B ? ctx - j * B : B,
+                      (int64_t)hkv * D * (int64_t)sizeof(T), D * (int)sizeof(T));
+}
 #endif
 
 #if HAVE_AVX512
@@ -109,10 +122,11 @@ static inline const T *FN(block_rows)(const T *cache, const int32_t *table, int 
  * after inlining, so the G*C query and accumulator vectors live in registers. Scores are made 16 keys at
  * a time: each key's G partial-product vectors go to dots, then one transposing reduction per query
  * head sums all 16 (sum16), a third of the work of 16 separate horizontal sums. While a block is
- * read, the next block's rows of this KV head are prefetched (blocks lie anywhere in the cache). */
+ * read, the next block's rows of this KV head are prefetched (blocks lie anywhere in the cache), and
+ * the same block of the thread's next item. */
 static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const PROBLEM *p, int64_t item,
-                                                                         float *scores, const int G,
-                                                                         const int C) {
+                                                                         int64_t next, float *scores,
+                                                                         const int G, const int C) {
     ITEM_LOCALS(16 * C)
     __m512 acc[8][8], dots[8][16];
     const __m512 scale = _mm512_set1_ps(p->scale);
@@ -133,6 +147,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
         const T *k = FN(block_rows)(p->k_cache, table, t0, ctx, B, hkv, h, D);
+        FN(prefetch_item_blocks)(p, p->k_cache, next, t0 / B, t0 / B + 1);
         for (int i0 = 0; i0 < n; i0 += 16) {
             const int m = n - i0 < 16 ? n - i0 : 16;
             for (int i = 0; i < m; i++, k += token_stride) {
@@ -161,6 +176,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
             }
         }
     }
+    FN(prefetch_item_blocks)(p, p->k_cache, next, (ctx + B - 1) / B, INT32_MAX); /* its longer rest */
     /* pass 2: softmax numerators in place (16 at a time, a masked tail) */
     float inv_sum[8];
     for (int g = 0; g < G; g++) {
@@ -191,6 +207,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
         const T *v = FN(block_rows)(p->v_cache, table, t0, ctx, B, hkv, h, D);
+        FN(prefetch_item_blocks)(p, p->v_cache, next, t0 / B, t0 / B + 1);
         for (int i = 0; i < n; i++, v += token_stride) {
             __m512 vc[8];
             for (int c = 0; c < C / 2; c++) VLD2(v + 32 * c, vc[2 * c], vc[2 * c + 1]);
@@ -200,6 +217,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
             }
         }
     }
+    FN(prefetch_item_blocks)(p, p->v_cache, next, (ctx + B - 1) / B, INT32_MAX);
     for (int g = 0; g < G; g++) {
         const __m512 r = _mm512_set1_ps(inv_sum[g]);
         for (int c = 0; c < C / 2; c++)
@@ -213,8 +231,8 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
  * reduction, sum8, per head); the next block's rows are prefetched; the softmax's exponentials
  * are taken 8 at a time. */
 static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PROBLEM *p, int64_t item,
-                                                                       float *scores, const int G,
-                                                                       const int C) {
+                                                                       int64_t next, float *scores,
+                                                                       const int G, const int C) {
     ITEM_LOCALS(8 * C)
     const __m256 scale = _mm256_set1_ps(p->scale);
     __m256 qv[8][16], dots[8][8], acc[8][16];
@@ -226,6 +244,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
         const T *k = FN(block_rows)(p->k_cache, table, t0, ctx, B, hkv, h, D);
+        FN(prefetch_item_blocks)(p, p->k_cache, next, t0 / B, t0 / B + 1);
         for (int i0 = 0; i0 < n; i0 += 8) {
             const int m = n - i0 < 8 ? n - i0 : 8;
             for (int i = 0; i < m; i++, k += token_stride) {
@@ -246,6 +265,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
             }
         }
     }
+    FN(prefetch_item_blocks)(p, p->k_cache, next, (ctx + B - 1) / B, INT32_MAX); /* its longer rest */
     /* pass 2: softmax numerators in place (8 at a time, the tail one by one) */
     float inv_sum[8];
     for (int g = 0; g < G; g++) {
@@ -275,6 +295,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
         const T *v = FN(block_rows)(p->v_cache, table, t0, ctx, B, hkv, h, D);
+        FN(prefetch_item_blocks)(p, p->v_cache, next, t0 / B, t0 / B + 1);
         for (int i = 0; i < n; i++, v += token_stride) {
             __m256 vc[16];
             for (int c = 0; c < C; c++) vc[c] = VLD(v + 8 * c);
@@ -284,6 +305,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
             }
         }
     }
+    FN(prefetch_item_blocks)(p, p->v_cache, next, (ctx + B - 1) / B, INT32_MAX);
     for (int g = 0; g < G; g++) {
         const __m256 r = _mm256_set1_ps(inv_sum[g]);
         for (int c = 0; c < C; c++) VST(out + g * D + 8 * c, _mm256_mul_ps(acc[g][c], r));
@@ -300,11 +322,11 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
 #endif
 #define SIMD_CASE(G_, D_) \
     case (G_) * 256 + (D_) / VW: \
-        ATTEND_SIMD(p, item, scores, G_, (D_) / VW); \
+        ATTEND_SIMD(p, item, next, scores, G_, (D_) / VW); \
         return 1;
 
 /* 1 when a specialised kernel took the item, 0 when the generic one must. */
-static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, float *scores) {
+static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, int64_t next, float *scores) {
     const int G = p->num_q_heads / p->num_kv_heads;
     if (p->head_dim % VW) return 0;
     switch (G * 256 + p->head_dim / VW) {
@@ -318,8 +340,8 @@ static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, float *scores) {
 #undef SIMD_CASE
 #undef ATTEND_SIMD
 #else
-static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, float *scores) {
-    (void)p, (void)item, (void)scores;
+static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, int64_t next, float *scores) {
+    (void)p, (void)item, (void)next, (void)scores;
     return 0;
 }
 #endif
@@ -350,9 +372,15 @@ int FN(paged_decode_attention)(const T *q, int64_t q_seq_stride, int64_t q_head_
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 4)
-        for (int64_t it = 0; it < items; it++) {
-            if (scores && !FN(attend_item_fast)(&p, it, scores))
+        int tid = 0, nth = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nth = omp_get_num_threads();
+#endif
+        const int64_t lo = first_item_of(context_lens, num_kv_heads, items, tid, nth);
+        const int64_t hi = first_item_of(context_lens, num_kv_heads, items, tid + 1, nth);
+        for (int64_t it = lo; it < hi && scores; it++) {
+            if (!FN(attend_item_fast)(&p, it, it + 1 < hi ? it + 1 : -1, scores))
                 FN(attend_item)(&p, it, scores, scores + (size_t)G * max_ctx);
         }
         free(scores);
