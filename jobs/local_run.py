@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +66,20 @@ class WorkerProcess:
     proc: subprocess.Popen
     log_path: Path
     restarts: int = 0
+
+
+def worker_env(environ: Mapping[str, str], num_workers: int) -> dict[str, str]:
+    """The environment of a worker this process starts: this one's, less the broker setting (the
+    worker gets --broker), plus this process's pid (the worker exits, handing back, if it dies). Two
+    or more workers share the cores, so their OpenMP threads must not spin between parallel regions
+    (engine/__init__.py): GOMP_SPINCOUNT 0 unless the user set it."""
+    import engine
+
+    env = {k: v for k, v in environ.items() if k != BROKER_ENV}
+    env[PARENT_PID_ENV] = str(os.getpid())
+    if num_workers > 1 and "GOMP_SPINCOUNT" in engine.SET_BY_ENGINE:
+        env["GOMP_SPINCOUNT"] = "0"
+    return env
 
 
 class LocalRun:
@@ -127,8 +141,7 @@ class LocalRun:
                "--data-dir", self.manifest.data_dir, "--broker", "embedded", "--queue", self.broker.queue,
                "--concurrency", str(self.concurrency), "--worker-id", worker_id,
                "--shard-timeout", str(self.manifest.shard_timeout_s or self.broker.shard_timeout_s)]
-        env = {k: v for k, v in os.environ.items() if k != BROKER_ENV}
-        env[PARENT_PID_ENV] = str(os.getpid())  # the worker exits (handing back) if this process dies
+        env = worker_env(os.environ, self.num_workers)
         with open(log_path, "ab") as log:
             # a session of its own: a terminal's Ctrl-C reaches this process only, which then sends
             # each worker exactly one SIGINT (a second one would be Celery's cold shutdown)

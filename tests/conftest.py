@@ -6,6 +6,12 @@ from hypothesis import settings
 # function is defined, so it must be set before anything imports kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The suite runs engines side by side (this process's models beside the workers it starts), where
+# OpenMP threads that spin between parallel regions hold the cores the others need: no spinning
+# (engine/__init__.py spins briefly by default, for an engine alone on its cores). Inherited by the
+# worker processes the tests start.
+os.environ.setdefault("GOMP_SPINCOUNT", "0")
+
 # Hypothesis reads no config file, so its profiles live here. In CI (any non-empty $CI) every
 # property test draws the same examples on every run (derandomize: the seed comes from the test's
 # source), so a rare example cannot fail one run and pass the next; the example database stays off

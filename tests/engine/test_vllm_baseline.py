@@ -28,6 +28,18 @@ def test_env_binds_threads_and_drops_our_path(tmp_path):
     assert mine["VLLM_CPU_KVCACHE_SPACE"] == "9" and mine["LD_PRELOAD"] == "a.so"
 
 
+def test_vllm_waits_its_own_way_unless_the_user_chose(monkeypatch, tmp_path):
+    import engine
+
+    python = tmp_path / "bin" / "python"
+    ours = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000", "PATH": "/bin"}
+    monkeypatch.setattr(engine, "SET_BY_ENGINE", frozenset({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"}))
+    env = vllm_baseline.subprocess_env(python, 2, ours)
+    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env and env["PATH"] == "/bin"
+    monkeypatch.setattr(engine, "SET_BY_ENGINE", frozenset({"GOMP_SPINCOUNT"}))  # the user set the policy
+    assert vllm_baseline.subprocess_env(python, 2, ours)["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
 def test_parse_result_takes_the_last_result_line():
     out = "INFO loading\nVLLM_RESULT {\"elapsed_s\": 1}\nVLLM_RESULT " + json.dumps(
         {"elapsed_s": 2.0, "output_tokens": 10, "peak_rss_mb": 5.0}) + "\nbye\n"
