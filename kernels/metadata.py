@@ -30,6 +30,7 @@ class AttentionMetadata:
     # needs it and reused by every other layer of the step, since they share this metadata
     torch_decode_plan: list | None = field(default=None, repr=False, compare=False)
     _prefill_qsl: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    _prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -43,6 +44,24 @@ class AttentionMetadata:
             nd = self.num_decodes
             self._prefill_qsl = self.query_start_loc[nd:] - nd  # decodes hold one row each
         return self._prefill_qsl
+
+    def prefill_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill chunks' query tokens as sequences of one query each, what a decode kernel
+        takes: (T_prefill, W) int32 block tables (each token's sequence's row) and (T_prefill,)
+        int32 context lengths (each token sees the keys up to its own position). Built once per
+        step, on the first call, and shared by every layer."""
+        if self._prefill_rows is None:
+            nd = self.num_decodes
+            seqs, lens = [], []
+            for s, (q_len, ctx_len) in enumerate(zip(self.query_lens_cpu[nd:], self.context_lens_cpu[nd:],
+                                                     strict=True)):
+                seqs += [nd + s] * q_len
+                lens += range(ctx_len - q_len + 1, ctx_len + 1)
+            device = self.block_tables.device
+            rows = torch.tensor(seqs, dtype=torch.int64, device=device)
+            self._prefill_rows = (self.block_tables.index_select(0, rows),
+                                  torch.tensor(lens, dtype=torch.int32, device=device))
+        return self._prefill_rows
 
 
 def build_attention_metadata(

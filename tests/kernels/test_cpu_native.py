@@ -253,7 +253,7 @@ def test_ops_send_cpu_work_to_the_native_kernels(monkeypatch, dtype):
         raise AssertionError("the torch reference ran although the native kernel applies")
 
     for op in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "store_kv_cache",
-               "decode_attention", "argmax"):
+               "decode_attention", "prefill_attention", "argmax"):
         monkeypatch.setitem(ops.KERNELS[op], "torch", refuse)
     x = torch.randn(4, 64, dtype=dtype)
     ops.rms_norm(x, torch.ones(64, dtype=dtype), 1e-5)
@@ -265,6 +265,8 @@ def test_ops_send_cpu_work_to_the_native_kernels(monkeypatch, dtype):
     inputs = make_paged_inputs([1, 1], [5, 40], 9, 3, 64, 16, dtype=dtype)
     ops.store_kv_cache(inputs.key, inputs.value, inputs.k_cache, inputs.v_cache, inputs.meta.slot_mapping)
     ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
+    mixed = make_paged_inputs([1, 4, 3], [5, 4, 40], 9, 3, 64, 16, dtype=dtype)  # a decode, then prefills
+    ops.paged_attention(mixed.q, mixed.k_cache, mixed.v_cache, mixed.meta, mixed.scale)
     ops.argmax(torch.randn(4, 100))  # logits are fp32 in either model dtype
     monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
     with pytest.raises(AssertionError, match="torch reference ran"):

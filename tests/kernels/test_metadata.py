@@ -20,6 +20,15 @@ def test_metadata_from_host_lists():
     assert meta.query_lens_cpu == [1, 1, 3] and meta.num_seqs == 3
 
 
+def test_prefill_rows_give_each_chunk_token_its_sequence_and_position():
+    # a decode, a whole prompt of 3, then a chunk of 2 tokens ending at position 17 of its sequence
+    meta = build_attention_metadata([1, 3, 2], [17, 3, 18], [[4, 9], [7], [1, 2]], block_size=16)
+    tables, lens = meta.prefill_rows()
+    assert tables.tolist() == [[7, 0]] * 3 + [[1, 2]] * 2 and tables.dtype == torch.int32
+    assert lens.tolist() == [1, 2, 3, 17, 18] and lens.dtype == torch.int32
+    assert meta.prefill_rows()[0] is tables  # built once per step, shared by the layers
+
+
 def test_a_trailing_chunk_of_one_is_not_a_decode():
     meta = build_attention_metadata([4, 1], [4, 9], [[0], [1]], block_size=16)
     assert meta.num_decodes == 0
