@@ -90,15 +90,28 @@ def run(spec: dict, python: Path | None = None, num_threads: int | None = None,
     return parse_result(proc.stdout)
 
 
-def _peak_rss_mb() -> float:
-    """VmHWM of this process plus that of each live child (vLLM's engine core runs in one)."""
-    total = 0
-    pids = [str(os.getpid())]
-    for task in Path("/proc/self/task").iterdir():
-        pids += (task / "children").read_text().split()
-    for pid in pids:
+def _descendants(pid: int) -> list[int]:
+    """pid and every process under it (vLLM's engine core is a child, and its model worker a
+    grandchild: the worker holds the weights and the KV cache)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
         try:
-            status = Path(f"/proc/{pid}/status").read_text()
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def _peak_rss_mb(pid: int | None = None) -> float:
+    """VmHWM summed over pid (this process) and all its live descendants. Pages shared between them
+    (the libraries each loads) count once per process, so this overstates their joint peak a little."""
+    total = 0
+    for p in _descendants(os.getpid() if pid is None else pid):
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
         except OSError:
             continue
         total += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM")), 0)

@@ -104,3 +104,29 @@ def test_bench_baseline_vllm_needs_an_hf_directory():
              "--prompt-len", "3", "--baseline", "vllm"]
     result = CliRunner().invoke(bench, flags)
     assert result.exit_code == 2 and "Hugging Face directory" in result.output
+
+
+def test_peak_rss_counts_grandchildren(tmp_path):
+    """vLLM's model worker is a grandchild of the script (under its engine core): it must count."""
+    import subprocess
+    import sys
+    import time
+
+    ready = tmp_path / "ready"
+    grandchild = (f"import time, pathlib; b = bytearray(200 << 20); pathlib.Path({str(ready)!r})"
+                  ".write_text('x'); time.sleep(60)")
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {grandchild!r}])"
+    child = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        for _ in range(300):
+            if ready.exists():
+                break
+            time.sleep(0.1)
+        assert ready.exists()
+        tree = vllm_baseline._descendants(child.pid)
+        assert len(tree) == 2 and tree[0] == child.pid
+        assert vllm_baseline._peak_rss_mb(child.pid) > 200  # the grandchild's 200 MiB buffer is in
+    finally:
+        subprocess.run(["pkill", "-f", str(ready)], check=False)  # the grandchild
+        child.kill()
+        child.wait()
