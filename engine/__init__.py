@@ -10,8 +10,9 @@ import os
 # decode step runs a parallel region per op, a few hundred of them with a little Python between,
 # and waking sleeping threads for each cost more than the op (silu_and_mul of 64 rows: 36 us
 # spinning, 167 passive). Alone on 2 cores a 32-sequence bf16 step took 60 ms against 81 passive;
-# with a second engine on the same cores, 243 against 106. So `batchgen run --workers N` (N > 1),
-# whose workers share the cores, and the test suite set no spin. A setting already made wins;
+# with a second engine on the same cores, 243 against 106. So a `batchgen worker` started on its own
+# (it may share its machine), `batchgen run --workers N` (N > 1) and the test suite set no spin; a
+# `batchgen run` with one worker hands it the spin. A setting already made wins;
 # SET_BY_ENGINE names the ones made here (the vLLM baseline drops them: vLLM runs with its own).
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
 SET_BY_ENGINE = frozenset(k for k in OPENMP_DEFAULTS if k not in os.environ)

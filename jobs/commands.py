@@ -278,6 +278,18 @@ def _refuse_worker_settings(opts: dict) -> None:
 # ---------------------------------------------------------------- worker
 
 
+def worker_openmp_wait() -> None:
+    """A worker started on its own may share its machine (several workers, other jobs), where OpenMP
+    threads that spin between parallel regions slow every engine on the cores (2.3x measured, see
+    engine/__init__.py): no spin, unless GOMP_SPINCOUNT was set for it, by the user or by `batchgen
+    run` starting it as its only worker (which hands down the engine's spin). Called before torch
+    loads, which is when libgomp reads it."""
+    import engine
+
+    if "GOMP_SPINCOUNT" in engine.SET_BY_ENGINE:
+        os.environ["GOMP_SPINCOUNT"] = "0"
+
+
 @click.command()
 @engine_options
 @_DATA_DIR_OPTION
@@ -299,6 +311,7 @@ def worker(data_dir: str, broker_url: str | None, queue: str, job_id: str | None
            worker_id: str | None, shard_timeout: float | None, loglevel: str, metrics_port: int | None,
            metrics_host: str, **opts) -> None:
     """Serve shard tasks from the queue with one long-lived engine."""
+    worker_openmp_wait()
     from jobs.logs import configure_logging
     from jobs.worker_main import run_worker
 

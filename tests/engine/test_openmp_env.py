@@ -43,3 +43,18 @@ def test_workers_that_share_the_cores_do_not_spin(monkeypatch, workers, engine_s
     env = worker_env(environ, workers)
     assert env.get("GOMP_SPINCOUNT") == expected
     assert env["HOME"] == "/x" and BROKER_ENV not in env and env[PARENT_PID_ENV] == str(os.getpid())
+
+
+WORKER_PROBE = ("import os, sys; from jobs import commands; commands.worker_openmp_wait(); "
+                "print(os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)")
+
+
+def test_a_worker_started_on_its_own_does_not_spin_unless_told():
+    """`batchgen worker` may share its machine: no spin by default, set before torch (and libgomp)
+    loads; a GOMP_SPINCOUNT it was given (by the user, or by `batchgen run` as its only worker) stays."""
+    clean = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    for given, expected in ((None, "0 False"), ("20000", "20000 False")):
+        env = clean if given is None else {**clean, "GOMP_SPINCOUNT": given}
+        out = subprocess.run([sys.executable, "-c", WORKER_PROBE], env=env, capture_output=True, text=True,
+                             check=True)
+        assert out.stdout.strip() == expected
