@@ -19,6 +19,13 @@ SET_BY_ENGINE = frozenset(k for k in OPENMP_DEFAULTS if k not in os.environ)
 for _name in SET_BY_ENGINE:
     os.environ[_name] = OPENMP_DEFAULTS[_name]
 
+
+def no_spin_unless_chosen(env) -> None:
+    """For an engine that may share its cores: GOMP_SPINCOUNT 0 in env (a dict or os.environ),
+    unless the spin there is someone's choice rather than this default."""
+    if "GOMP_SPINCOUNT" in SET_BY_ENGINE:
+        env["GOMP_SPINCOUNT"] = "0"
+
 from engine.config import EngineConfig  # noqa: E402
 from engine.outputs import RequestOutput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402

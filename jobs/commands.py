@@ -17,6 +17,7 @@ from pathlib import Path
 
 import click
 
+import engine
 from engine.cli_options import engine_config, engine_options, flag_name, given_engine_flags
 from jobs.broker import (
     BROKER_ENV,
@@ -284,10 +285,7 @@ def worker_openmp_wait() -> None:
     engine/__init__.py): no spin, unless GOMP_SPINCOUNT was set for it, by the user or by `batchgen
     run` starting it as its only worker (which hands down the engine's spin). Called before torch
     loads, which is when libgomp reads it."""
-    import engine
-
-    if "GOMP_SPINCOUNT" in engine.SET_BY_ENGINE:
-        os.environ["GOMP_SPINCOUNT"] = "0"
+    engine.no_spin_unless_chosen(os.environ)
 
 
 @click.command()

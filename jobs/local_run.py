@@ -33,6 +33,7 @@ from pathlib import Path
 
 import click
 
+import engine
 from engine.config import EngineConfig
 from jobs.broker import BROKER_ENV, BrokerSettings
 from jobs.leases import lease_ttl_s
@@ -73,12 +74,10 @@ def worker_env(environ: Mapping[str, str], num_workers: int) -> dict[str, str]:
     worker gets --broker), plus this process's pid (the worker exits, handing back, if it dies). Two
     or more workers share the cores, so their OpenMP threads must not spin between parallel regions
     (engine/__init__.py): GOMP_SPINCOUNT 0 unless the user set it."""
-    import engine
-
     env = {k: v for k, v in environ.items() if k != BROKER_ENV}
     env[PARENT_PID_ENV] = str(os.getpid())
-    if num_workers > 1 and "GOMP_SPINCOUNT" in engine.SET_BY_ENGINE:
-        env["GOMP_SPINCOUNT"] = "0"
+    if num_workers > 1:
+        engine.no_spin_unless_chosen(env)
     return env
 
 
