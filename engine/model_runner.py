@@ -93,6 +93,57 @@ class _Layout:
             at += n
         return out
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in with one call
+POPULATE_AHEAD_BLOCKS = 128  # KV blocks made resident past the highest block in use
+
+
+class KVPopulator:
+    """Makes the CPU KV cache's pages resident ahead of use, many at a time.
+
+    The cache is one anonymous mapping whose pages the kernel hands out on first write. Taken one
+    page-fault at a time that cost ~8 us a page on these VMs: a decode step of 64 sequences writes
+    into ~360 new pages (3.8 ms of a 105 ms step went to store_kv_cache), and a prefill of 10k
+    prompt tokens ~57k. MADV_POPULATE_WRITE makes a whole range resident in one call (~2 us a page).
+    Fresh blocks are handed out in increasing id order (freed ones are reused first), so keeping
+    everything below the highest block in use plus POPULATE_AHEAD_BLOCKS resident means writes
+    find their pages present. RAM still follows use: at most the ahead margin is taken early.
+    Where madvise refuses (an older kernel), it says so once in the log and pages fault in as before."""
+
+    def __init__(self, flat: torch.Tensor, regions: int, num_blocks: int, ahead: int = POPULATE_AHEAD_BLOCKS):
+        self.base, self.regions, self.num_blocks, self.ahead = flat.data_ptr(), regions, num_blocks, ahead
+        self.block_bytes = flat[0][0].numel() * flat.element_size()
+        self.populated = 0  # blocks [0, populated) of every region are resident
+        self.page = mmap.PAGESIZE
+        self.madvise = _libc_madvise()
+
+    def ensure(self, highest_block: int) -> None:
+        """Make blocks [0, highest_block + 1 + ahead) of every layer's K and V resident."""
+        if self.madvise is None or highest_block < self.populated:
+            return
+        end = min(self.num_blocks, highest_block + 1 + self.ahead)
+        for r in range(self.regions):
+            region = self.base + r * self.num_blocks * self.block_bytes
+            lo = (region + self.populated * self.block_bytes) // self.page * self.page
+            hi = region + end * self.block_bytes
+            if self.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                log.info("KV cache pages fault in one at a time: madvise(MADV_POPULATE_WRITE) failed "
+                         "(%s)", os.strerror(err))
+                self.madvise = None
+                return
+        self.populated = end
+
+
+def _libc_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
 
 class ModelRunner:
     def __init__(self, model: Transformer, block_size: int, max_model_len: int, max_num_seqs: int,
@@ -124,6 +175,7 @@ class ModelRunner:
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._uploaded: dict[int, int] = {}  # seq_index -> blocks of its table already on the device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_populator: KVPopulator | None = None  # CPU: the KV pages made resident ahead of use
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_capture_s = 0.0
 
@@ -136,6 +188,7 @@ class ModelRunner:
         count = 2 * self.args.n_layers
         if self.device.type == "cpu":
             flat = _zero_pages(count * math.prod(shape), self.dtype).view(count, *shape)
+            self.kv_populator = KVPopulator(flat, count, num_blocks)
         else:
             flat = torch.zeros((count, *shape), dtype=self.dtype, device=self.device)
         self.kv_caches = [(flat[2 * i], flat[2 * i + 1]) for i in range(self.args.n_layers)]
@@ -361,6 +414,8 @@ class ModelRunner:
                 blocks += table[done:]
                 self._uploaded[seq.seq_index] = len(table)
         if rows:
+            if self.kv_populator is not None:
+                self.kv_populator.ensure(max(blocks))
             update = self.staging.put("block_table_updates", [rows, cols, blocks], torch.int64).view(3, -1)
             self.block_tables[update[0], update[1]] = update[2].to(torch.int32)
 

@@ -171,3 +171,82 @@ def test_kv_cache_on_cpu_costs_ram_only_where_written(ckpt):
     assert grown < 200 << 20  # 1 GiB of KV would be 1 GiB of RSS if it were touched
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0.0))[0]
     assert len(out.token_ids) == 3
+
+
+def _resident_pages(addr: int, nbytes: int) -> list[bool]:
+    """mincore(2) over [addr, addr + nbytes), addr page-aligned: which pages are in RAM."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-nbytes // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(nbytes), vec) == 0, ctypes.get_errno()
+    return [bool(v & 1) for v in vec]
+
+
+def _kv_mapping(regions=4, blocks=64, block_elems=3 * 1024):  # 12 KiB fp32 blocks: 3 pages each
+    from engine.model_runner import _zero_pages
+
+    return _zero_pages(regions * blocks * block_elems, torch.float32).view(regions, blocks, block_elems)
+
+
+def test_kv_populator_makes_blocks_resident_ahead_of_use_in_every_layer():
+    from engine.model_runner import KVPopulator
+
+    flat = _kv_mapping()
+    pop = KVPopulator(flat, regions=4, num_blocks=64, ahead=2)
+    if pop.madvise is None:
+        pytest.skip("no madvise on this platform")
+    block = 12 * 1024
+    pop.ensure(5)  # blocks 0..5 in use: 0..7 resident
+    assert pop.populated == 8
+    for r in range(4):
+        pages = _resident_pages(flat[r].data_ptr(), 64 * block)
+        assert all(pages[: 8 * 3]), r  # every page of blocks 0..7
+        assert not any(pages[8 * 3:]), r  # nothing past them: RAM still follows use
+    pop.ensure(3)  # below what is resident: nothing to do
+    assert pop.populated == 8
+    pop.ensure(63)  # clipped to the cache
+    assert pop.populated == 64
+    assert all(_resident_pages(flat[3].data_ptr(), 64 * block))
+    assert flat.abs().sum().item() == 0  # made resident, still zeros
+
+
+def test_kv_populator_falls_back_to_page_faults_when_madvise_refuses(caplog):
+    import ctypes
+
+    from engine.model_runner import KVPopulator
+
+    flat = _kv_mapping()
+    pop = KVPopulator(flat, regions=4, num_blocks=64, ahead=2)
+    calls = []
+
+    def refuse(addr, length, advice):
+        calls.append(advice)
+        ctypes.set_errno(22)
+        return -1
+
+    pop.madvise = refuse
+    with caplog.at_level("INFO", logger="engine.model_runner"):
+        pop.ensure(5)
+        pop.ensure(40)
+    assert calls == [23] and pop.madvise is None and pop.populated == 0  # asked once, then never again
+    assert "fault in one at a time" in caplog.text and "Invalid argument" in caplog.text
+    flat[2, 40] = 1.0  # the cache still works: its pages fault in on write
+    assert flat[2, 40].sum().item() == 3 * 1024
+
+
+def test_a_run_keeps_the_kv_blocks_it_writes_resident(ckpt):
+    llm = LLM("tiny", checkpoint=ckpt, num_kv_blocks=512, block_size=16)
+    llm.generate([[1, 2, 3] * 20, [4, 5] * 7], SamplingParams(max_tokens=40, temperature=0.0))
+    pop = llm.engine.runner.kv_populator
+    if pop.madvise is None:
+        pytest.skip("no MADV_POPULATE_WRITE on this kernel")
+    used = 5 + 4  # (60 + 40) / 16 and (14 + 40) / 16 blocks, rounded up
+    assert used <= pop.populated <= used + pop.ahead  # the first prefill's blocks plus the margin
+    for k_cache, v_cache in llm.engine.runner.kv_caches:
+        for cache in (k_cache, v_cache):
+            start = cache.data_ptr() // 4096 * 4096
+            end = cache.data_ptr() + pop.populated * pop.block_bytes
+            assert all(_resident_pages(start, end - start))
