@@ -92,16 +92,83 @@ static void FN(attend_item)(const PROBLEM *p, int64_t item, float *scores, float
 }
 
 #if HAVE_SIMD
+/* A thread's L2 prefetch stream: the KV blocks (every head's rows) of its sequences, in the order it
+ * first reads them (a sequence's K blocks, then its V blocks, then the next sequence), kept ahead of
+ * the reads by a steady rate. A thread takes all KV heads of a sequence in a row, and the first head
+ * brings the whole rows in; without the stream, no DRAM request went out while the later heads read
+ * L2, and DRAM time added to compute time instead of overlapping it. The stream starts
+ * STREAM_LEAD_BYTES ahead and moves one block for every hkv blocks the thread reads (one sequence's
+ * worth per sequence). A prefill's rows repeat their sequence's blocks: a row whose first block is
+ * the previous row's streams only the blocks past what that one streamed. */
+typedef struct {
+    const PROBLEM *p;
+    int64_t seq, end_seq; /* the sequence being streamed; one past the thread's last */
+    int kv, block, first_block, nblocks, credit;
+    int32_t prev_first;
+    int prev_nblocks;
+} FN(Stream);
+
+static void FN(stream_enter)(FN(Stream) *st) {
+    if (st->seq >= st->end_seq) return;
+    const PROBLEM *p = st->p;
+    const int32_t *table = p->block_tables + st->seq * p->block_table_stride;
+    st->nblocks = (p->context_lens[st->seq] + p->block_size - 1) / p->block_size;
+    st->first_block = st->nblocks > 0 && st->prev_nblocks > 0 && table[0] == st->prev_first ? st->prev_nblocks - 1 : 0;
+    st->block = st->first_block;
+    st->kv = 0;
+}
+
+/* Ask for the stream's next n blocks into L2. */
+static void FN(stream_next)(FN(Stream) *st, int n) {
+    const PROBLEM *p = st->p;
+    const int B = p->block_size;
+    const int64_t token_bytes = (int64_t)p->num_kv_heads * p->head_dim * (int64_t)sizeof(T);
+    while (n > 0 && st->seq < st->end_seq) {
+        if (st->block >= st->nblocks) {
+            if (st->kv == 0 && st->nblocks > 0) {
+                st->kv = 1;
+                st->block = st->first_block;
+            } else {
+                if (st->nblocks > 0) {
+                    st->prev_first = p->block_tables[st->seq * p->block_table_stride];
+                    st->prev_nblocks = st->nblocks;
+                }
+                st->seq++;
+                FN(stream_enter)(st);
+            }
+            continue;
+        }
+        const int ctx = p->context_lens[st->seq];
+        const int32_t blk = p->block_tables[st->seq * p->block_table_stride + st->block];
+        const int tokens = ctx - st->block * B < B ? ctx - st->block * B : B;
+        prefetch_bytes_l2((st->kv ? p->v_cache : p->k_cache) + (int64_t)blk * B * p->num_kv_heads * p->head_dim,
+                          tokens * token_bytes);
+        st->block++;
+        n--;
+    }
+}
+
+static void FN(stream_start)(FN(Stream) *st, const PROBLEM *p, int64_t first_seq, int64_t end_seq) {
+    *st = (FN(Stream)){p, first_seq, end_seq, 0, 0, 0, 0, 0, -1, 0};
+    if (first_seq >= end_seq) return;
+    FN(stream_enter)(st);
+    const int64_t block_bytes = (int64_t)p->block_size * p->num_kv_heads * p->head_dim * (int64_t)sizeof(T);
+    FN(stream_next)(st, (int)(STREAM_LEAD_BYTES / block_bytes) + 1);
+}
+
 /* The rows of KV head h in the cache block that holds token t0 (token_stride apart), after asking for
- * the next block's rows into L1, if the context goes on (blocks lie anywhere in the cache). Head 0
- * also asks for the whole rows (every head's) of the block L2_AHEAD blocks on into L2: the
- * sequence's later heads, which its thread takes next, then read them from L2, and the DRAM
- * requests go out far enough ahead to overlap (25% off a decode layer's attention, measured). */
-static inline const T *FN(block_rows)(const T *cache, const int32_t *table, int t0, int ctx, int B, int hkv,
-                                      int h, int D) {
+ * the next block's rows into L1, if the context goes on (blocks lie anywhere in the cache), and
+ * moving the thread's L2 stream on. Where the stream has nothing (a sequence whose heads are split
+ * between threads, as a lone long one is), head 0 asks for the whole rows L2_AHEAD blocks on. */
+static inline const T *FN(block_rows)(FN(Stream) *st, const T *cache, const int32_t *table, int t0, int ctx,
+                                      int B, int hkv, int h, int D) {
     const int64_t token_bytes = (int64_t)hkv * D * (int64_t)sizeof(T);
+    if (++st->credit >= hkv) {
+        st->credit = 0;
+        FN(stream_next)(st, 1);
+    }
     const int ahead = t0 + L2_AHEAD * B;
-    if (h == 0 && ahead < ctx)
+    if (h == 0 && st->seq >= st->end_seq && ahead < ctx) /* a sequence the stream does not take */
         prefetch_bytes_l2(cache + (int64_t)table[ahead / B] * B * hkv * D, (ctx - ahead < B ? ctx - ahead : B) * token_bytes);
     if (t0 + B < ctx)
         prefetch_rows(cache + ((int64_t)table[t0 / B + 1] * B * hkv + h) * D, ctx - t0 - B < B ? ctx - t0 - B : B,
@@ -130,8 +197,8 @@ static inline void FN(prefetch_item_blocks)(const PROBLEM *p, const T *cache, in
  * head sums all 16 (sum16), a third of the work of 16 separate horizontal sums. While a block is
  * read, the next block's rows of this KV head are prefetched (blocks lie anywhere in the cache), and
  * the same block of the thread's next item. */
-static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const PROBLEM *p, int64_t item,
-                                                                         int64_t next, float *scores,
+static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const PROBLEM *p, FN(Stream) *st,
+                                                                         int64_t item, int64_t next, float *scores,
                                                                          const int G, const int C) {
     ITEM_LOCALS(16 * C)
     __m512 acc[8][8], dots[8][16];
@@ -152,7 +219,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
     /* pass 1: scores */
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *k = FN(block_rows)(p->k_cache, table, t0, ctx, B, hkv, h, D);
+        const T *k = FN(block_rows)(st, p->k_cache, table, t0, ctx, B, hkv, h, D);
         FN(prefetch_item_blocks)(p, p->k_cache, next, t0 / B, t0 / B + 1);
         for (int i0 = 0; i0 < n; i0 += 16) {
             const int m = n - i0 < 16 ? n - i0 : 16;
@@ -212,7 +279,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
         for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_ps();
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *v = FN(block_rows)(p->v_cache, table, t0, ctx, B, hkv, h, D);
+        const T *v = FN(block_rows)(st, p->v_cache, table, t0, ctx, B, hkv, h, D);
         FN(prefetch_item_blocks)(p, p->v_cache, next, t0 / B, t0 / B + 1);
         for (int i = 0; i < n; i++, v += token_stride) {
             __m512 vc[8];
@@ -236,8 +303,8 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
  * inlining. Scores are made 8 keys at a time (each key loaded once for the G heads, one transposing
  * reduction, sum8, per head); the next block's rows are prefetched; the softmax's exponentials
  * are taken 8 at a time. */
-static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PROBLEM *p, int64_t item,
-                                                                       int64_t next, float *scores,
+static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PROBLEM *p, FN(Stream) *st,
+                                                                       int64_t item, int64_t next, float *scores,
                                                                        const int G, const int C) {
     ITEM_LOCALS(8 * C)
     const __m256 scale = _mm256_set1_ps(p->scale);
@@ -249,7 +316,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
     /* pass 1: scores */
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *k = FN(block_rows)(p->k_cache, table, t0, ctx, B, hkv, h, D);
+        const T *k = FN(block_rows)(st, p->k_cache, table, t0, ctx, B, hkv, h, D);
         FN(prefetch_item_blocks)(p, p->k_cache, next, t0 / B, t0 / B + 1);
         for (int i0 = 0; i0 < n; i0 += 8) {
             const int m = n - i0 < 8 ? n - i0 : 8;
@@ -300,7 +367,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
         for (int c = 0; c < C; c++) acc[g][c] = _mm256_setzero_ps();
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *v = FN(block_rows)(p->v_cache, table, t0, ctx, B, hkv, h, D);
+        const T *v = FN(block_rows)(st, p->v_cache, table, t0, ctx, B, hkv, h, D);
         FN(prefetch_item_blocks)(p, p->v_cache, next, t0 / B, t0 / B + 1);
         for (int i = 0; i < n; i++, v += token_stride) {
             __m256 vc[16];
@@ -328,11 +395,11 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
 #endif
 #define SIMD_CASE(G_, D_) \
     case (G_) * 256 + (D_) / VW: \
-        ATTEND_SIMD(p, item, next, scores, G_, (D_) / VW); \
+        ATTEND_SIMD(p, st, item, next, scores, G_, (D_) / VW); \
         return 1;
 
 /* 1 when a specialised kernel took the item, 0 when the generic one must. */
-static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, int64_t next, float *scores) {
+static int FN(attend_item_fast)(const PROBLEM *p, FN(Stream) *st, int64_t item, int64_t next, float *scores) {
     const int G = p->num_q_heads / p->num_kv_heads;
     if (p->head_dim % VW) return 0;
     switch (G * 256 + p->head_dim / VW) {
@@ -346,8 +413,8 @@ static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, int64_t next, fl
 #undef SIMD_CASE
 #undef ATTEND_SIMD
 #else
-static int FN(attend_item_fast)(const PROBLEM *p, int64_t item, int64_t next, float *scores) {
-    (void)p, (void)item, (void)next, (void)scores;
+static int FN(attend_item_fast)(const PROBLEM *p, void *st, int64_t item, int64_t next, float *scores) {
+    (void)p, (void)st, (void)item, (void)next, (void)scores;
     return 0;
 }
 #endif
@@ -385,8 +452,15 @@ int FN(paged_decode_attention)(const T *q, int64_t q_seq_stride, int64_t q_head_
 #endif
         const int64_t lo = first_item_of(context_lens, num_kv_heads, items, tid, nth);
         const int64_t hi = first_item_of(context_lens, num_kv_heads, items, tid + 1, nth);
+#if HAVE_SIMD
+        FN(Stream) stream, *st = &stream;
+        /* streamed: the sequences whose every head is this thread's (whole rows serve only those) */
+        FN(stream_start)(st, &p, (lo + num_kv_heads - 1) / num_kv_heads, hi / num_kv_heads);
+#else
+        void *st = NULL;
+#endif
         for (int64_t it = lo; it < hi && scores; it++) {
-            if (!FN(attend_item_fast)(&p, it, it + 1 < hi ? it + 1 : -1, scores))
+            if (!FN(attend_item_fast)(&p, st, it, it + 1 < hi ? it + 1 : -1, scores))
                 FN(attend_item)(&p, it, scores, scores + (size_t)G * max_ctx);
         }
         free(scores);
