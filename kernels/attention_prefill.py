@@ -199,3 +199,50 @@ def _causal_sdpa(
     key_pos = torch.arange(ctx_len, device=queries.device)
     mask = key_pos[None, :] <= query_pos[:, None]  # (q_len, ctx_len)
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)[0]
+
+
+_NATIVE_UNSUPPORTED = 2  # the C kernel's answer for shapes or CPUs it does not take
+
+
+def paged_prefill_attention_native(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_threads: int | None = None,
+) -> torch.Tensor | None:
+    """The prefill chunks through the cpu-native tiled kernel: query_start_loc (S+1,) int32 from 0,
+    context_lens (S,) int32, block_tables (S, nb) int32; the contract of paged_prefill_attention_ref
+    otherwise. bf16 on CPUs with AVX512-BF16, head dim a multiple of 32, up to 8 query heads per
+    KV head, an even block size; None for anything else (the caller takes the decode kernel row by
+    row then)."""
+    from kernels import cpu_native
+
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_seqs = len(context_lens)
+    if (q.dtype != torch.bfloat16 or not q.dtype == k_cache.dtype == v_cache.dtype
+            or q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or block_tables.stride(-1) != 1 or len(query_start_loc) != num_seqs + 1):
+        return None
+    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                    ("context_lens", context_lens)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"native prefill attention: {name} must be int32, got {t.dtype}")
+    num_blocks, block_size, num_kv_heads, kv_dim = k_cache.shape
+    if kv_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"native prefill attention: q {tuple(q.shape)} does not fit caches "
+                         f"{tuple(k_cache.shape)}")
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype)
+    status = cpu_native.kernel("paged_prefill_attention", q.dtype)(
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), context_lens.data_ptr(),
+        out.data_ptr(), num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+        num_threads or torch.get_num_threads())
+    if status == _NATIVE_UNSUPPORTED:
+        return None
+    if status:
+        raise RuntimeError("native prefill attention failed: out of memory")
+    return out

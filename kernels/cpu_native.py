@@ -135,6 +135,8 @@ def load() -> ctypes.CDLL | None:
             typed = {
                 "paged_decode_attention": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
                                                           i64, i32, i32, i32, i32, f32, i32]),
+                "paged_prefill_attention": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
+                                                           i64, i32, i32, i32, i32, f32, i32]),
                 "rms_norm": (None, [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]),
                 "rotary": (i64, [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, i64, i64, i64, i32]),
                 "silu_and_mul": (None, [ptr, i64, ptr, i64, i64, i32]),

@@ -30,7 +30,11 @@ from kernels.attention_decode import (
     paged_decode_attention_triton,
     plan_decode_groups,
 )
-from kernels.attention_prefill import paged_prefill_attention_ref, paged_prefill_attention_triton
+from kernels.attention_prefill import (
+    paged_prefill_attention_native,
+    paged_prefill_attention_ref,
+    paged_prefill_attention_triton,
+)
 from kernels.kv_cache import store_kv_cache_native, store_kv_cache_ref, store_kv_cache_triton
 from kernels.metadata import AttentionMetadata, build_attention_metadata
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_native, rms_norm_ref, rms_norm_triton
@@ -87,6 +91,20 @@ def _decode_torch(
     return paged_decode_attention_planned(q, k_cache, v_cache, meta.torch_decode_plan, scale)
 
 
+def _prefill_native(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The prefill chunks on the CPU: the tiled kernel, whose query tiles share every key and value
+    they read (bf16 with AVX512-BF16), else each query token as a decode of its own through the
+    decode kernel, which reads the blocks in place (no gather, no heads expanded for GQA)."""
+    nd = meta.num_decodes
+    out = paged_prefill_attention_native(q, k_cache, v_cache, meta.block_tables[nd:],
+                                         meta.prefill_query_start_loc, meta.context_lens[nd:], scale)
+    if out is not None:
+        return out
+    return paged_decode_attention_native(q, k_cache, v_cache, *meta.prefill_rows(), scale)
+
+
 # op -> backend -> implementation, every entry with the op's own signature. decode_attention is
 # paged_attention's decode half (prefill chunks: Triton's kernel or the torch reference); linear's
 # cpu-native entry takes the weight pack_linears packed (the weight's form decides, not the call).
@@ -124,14 +142,12 @@ KERNELS: dict[str, dict[str, Callable]] = {
             q, k_cache, v_cache, meta.block_tables[:n], meta.context_lens[:n], scale),
     },
     # the prefill chunks (rows num_decodes.. of q): per sequence SDPA over its gathered keys, or on
-    # the CPU each query token as a decode of its own through the native kernel, which reads the
-    # blocks in place (no gather, no heads expanded for GQA): 2.5-3x the SDPA path measured, 48
-    # prompts of 64-256 tokens. Triton's prefill kernel runs in _paged_attention_triton.
+    # the CPU _prefill_native: the row-by-row decode kernel was 2.5-3x the SDPA path (48 prompts of
+    # 64-256 tokens), the tiled kernel ~Nx that. Triton's prefill kernel runs in _paged_attention_triton.
     "prefill_attention": {
         "torch": _prefill_torch,
         "triton": _prefill_torch,
-        "cpu-native": lambda q, k_cache, v_cache, meta, scale: paged_decode_attention_native(
-            q, k_cache, v_cache, *meta.prefill_rows(), scale),
+        "cpu-native": _prefill_native,
     },
     "argmax": {
         "torch": argmax_ref,

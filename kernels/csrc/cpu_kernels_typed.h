@@ -468,6 +468,227 @@ int FN(paged_decode_attention)(const T *q, int64_t q_seq_stride, int64_t q_head_
     return failed;
 }
 
+/* Prefill attention over the paged cache for sequences' query chunks: sequence s's queries are rows
+ * query_starts[s] .. query_starts[s + 1] - 1 of q (T, Hq, D), at positions context_lens[s] - q_len
+ * onwards, each attending causally to the keys up to its own position. Work item: PREFILL_TILE
+ * consecutive query tokens of one sequence and one KV head, so that their G * PREFILL_TILE query
+ * rows share every key and value they read:
+ *   pass 1  16 keys at a time are transposed in registers (lanes = keys, one vector per pair of
+ *           dims), and each query row takes D/2 vdpbf16ps against them: no per-key horizontal sums
+ *   pass 2  softmax numerators, stored as bf16 (what pass 3's vdpbf16ps multiplies)
+ *   pass 3  two values at a time, interleaved into (v_t, v_t+1) pairs per dim, vdpbf16ps with the
+ *           rows' (p_t, p_t+1) pairs; the dims come out permuted within each 128-bit lane and are
+ *           put back in order at the store
+ * bf16 with AVX512-BF16 only, D a multiple of 32 (<= 256), G <= 8, an even block size; returns 2 for
+ * anything else (the caller then takes the decode kernel row by row), 1 when memory ran out. */
+#define PREFILL_TILE 16
+#if HAVE_AVX512 && DP_BF16
+/* One work item of paged_prefill_attention: query tokens i0 .. i0 + nr - 1 of sequence s (at positions
+ * first ..), KV head h; NP = D / 32, compile-time after inlining, so every accumulator is a register.
+ * scores and probs hold RG + 8 rows of ctx_pad; rows past the tile's are scratch (their results are
+ * dropped), which keeps the register blocks whole. */
+static inline __attribute__((always_inline)) void FN(prefill_tile_dp)(
+    const T *q, int64_t q_tok_stride, int64_t q_head_stride, const T *k_cache, const T *v_cache,
+    const int32_t *table, int64_t q0, int first, int nr, int h, int G, int hkv, int B, int num_q_heads,
+    float scale, T *out, float *scores, uint16_t *probs, int ctx_pad, __m512i *kt, const int NP) {
+    const int D = 32 * NP, rows = nr * G, cmax = first + nr;
+    const int64_t token_stride = (int64_t)hkv * D;
+    enum { RB = 4 };                          /* pass 1 rows per register block */
+    const int GROUP = 24 / (2 * NP) > 0 ? 24 / (2 * NP) : 1; /* pass 3 rows per register block */
+    const T *qrow[8 * PREFILL_TILE + 24];
+    for (int r = 0; r < rows + 24; r++) {
+        const int rr = r < rows ? r : rows - 1;
+        qrow[r] = q + (q0 + rr / G) * q_tok_stride + (int64_t)(h * G + rr % G) * q_head_stride;
+    }
+    /* pass 1 */
+    for (int t0 = 0; t0 < cmax; t0 += 16) {
+        const int n = cmax - t0 < 16 ? cmax - t0 : 16;
+        for (int c = 0; c < NP; c++) {
+            __m512i r[16], a[16], b[16];
+            for (int i = 0; i < 16; i++) {
+                const int t = t0 + i;
+                r[i] = i < n ? _mm512_loadu_si512(k_cache + ((int64_t)table[t / B] * B + t % B) * token_stride
+                                                  + (int64_t)h * D + 32 * c)
+                             : _mm512_setzero_si512();
+            }
+            for (int i = 0; i < 8; i++) {
+                a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+                a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+            }
+            for (int i = 0; i < 4; i++) {
+                b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+                b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+                b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+                b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+            }
+            for (int e = 0; e < 4; e++) { /* column 4L + e of chunk c: dim pair 16c + 4L + e */
+                const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x44);
+                const __m512i c1 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xEE);
+                const __m512i d0 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x44);
+                const __m512i d1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xEE);
+                kt[16 * c + e] = _mm512_shuffle_i32x4(c0, d0, 0x88);
+                kt[16 * c + 4 + e] = _mm512_shuffle_i32x4(c0, d0, 0xDD);
+                kt[16 * c + 8 + e] = _mm512_shuffle_i32x4(c1, d1, 0x88);
+                kt[16 * c + 12 + e] = _mm512_shuffle_i32x4(c1, d1, 0xDD);
+            }
+        }
+        const __m512 sc = _mm512_set1_ps(scale);
+        for (int r0 = 0; r0 < rows; r0 += RB) {
+            __m512 acc[RB];
+            const int32_t *qp[RB];
+            for (int x = 0; x < RB; x++) acc[x] = _mm512_setzero_ps(), qp[x] = (const int32_t *)qrow[r0 + x];
+            for (int j = 0; j < 16 * NP; j++) {
+                const __m512bh k = (__m512bh)kt[j];
+                for (int x = 0; x < RB; x++)
+                    acc[x] = _mm512_dpbf16_ps(acc[x], k, (__m512bh)_mm512_set1_epi32(qp[x][j]));
+            }
+            for (int x = 0; x < RB; x++)
+                _mm512_storeu_ps(scores + (int64_t)(r0 + x) * ctx_pad + t0, _mm512_mul_ps(acc[x], sc));
+        }
+    }
+    /* pass 2: row i * G + g sees keys 0 .. first + i */
+    float inv_sum[8 * PREFILL_TILE + 24];
+    const int cpairs = (cmax + 1) / 2 * 2;
+    for (int r = 0; r < rows; r++) {
+        const int len = first + r / G + 1;
+        float *row = scores + (int64_t)r * ctx_pad;
+        uint16_t *pr = probs + (int64_t)r * ctx_pad;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        int t = 0;
+        for (; t + 16 <= len; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
+        const __mmask16 tail = (__mmask16)((1u << (len - t)) - 1u);
+        mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, row + t));
+        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        __m512 sum = _mm512_setzero_ps();
+        for (t = 0; t < cpairs; t += 16) {
+            const int valid = len - t < 0 ? 0 : len - t > 16 ? 16 : len - t;
+            const __mmask16 k = (__mmask16)((1u << valid) - 1u);
+            const __m512 e = _mm512_maskz_mov_ps(k, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + t), mv)));
+            sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256((__m256i *)(pr + t), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        inv_sum[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* pass 3: two values at a time as (v_t, v_t+1) pairs */
+    const __m512i idx_lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i idx_hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int r0 = 0; r0 < rows; r0 += GROUP) {
+        __m512 acc[24];
+        const uint16_t *pp[24];
+        for (int x = 0; x < GROUP; x++) {
+            pp[x] = probs + (int64_t)(r0 + x) * ctx_pad;
+            for (int c = 0; c < 2 * NP; c++) acc[x * 2 * NP + c] = _mm512_setzero_ps();
+        }
+        for (int t = 0; t < cmax; t += 2) {
+            const T *v0 = v_cache + ((int64_t)table[t / B] * B + t % B) * token_stride + (int64_t)h * D;
+            const int two = t + 1 < cmax;
+            __m512i vp[16];
+            for (int c = 0; c < NP; c++) {
+                const __m512i va = _mm512_loadu_si512(v0 + 32 * c);
+                const __m512i vb = two ? _mm512_loadu_si512(v0 + token_stride + 32 * c) : _mm512_setzero_si512();
+                vp[2 * c] = _mm512_unpacklo_epi16(va, vb);
+                vp[2 * c + 1] = _mm512_unpackhi_epi16(va, vb);
+            }
+            for (int x = 0; x < GROUP; x++) {
+                int32_t pair;
+                memcpy(&pair, pp[x] + t, sizeof pair);
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32(pair);
+                for (int c = 0; c < 2 * NP; c++)
+                    acc[x * 2 * NP + c] = _mm512_dpbf16_ps(acc[x * 2 * NP + c], (__m512bh)vp[c], pb);
+            }
+        }
+        for (int x = 0; x < GROUP && r0 + x < rows; x++) {
+            const int r = r0 + x;
+            T *o = out + ((q0 + r / G) * (int64_t)num_q_heads + h * G + r % G) * D;
+            const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+            for (int c = 0; c < NP; c++) {
+                const __m512 lo = acc[x * 2 * NP + 2 * c], hi = acc[x * 2 * NP + 2 * c + 1];
+                VST(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, idx_lo, hi), inv));
+                VST(o + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, idx_hi, hi), inv));
+            }
+        }
+    }
+}
+#endif
+
+/* Prefill attention over the paged cache for sequences' query chunks: sequence s's queries are rows
+ * query_starts[s] .. query_starts[s + 1] - 1 of q (T, Hq, D), at positions context_lens[s] - q_len
+ * onwards, each attending causally to the keys up to its own position. Work item: PREFILL_TILE
+ * consecutive query tokens of one sequence and one KV head, so that their G * PREFILL_TILE query
+ * rows share every key and value they read:
+ *   pass 1  16 keys at a time are transposed in registers (lanes = keys, one vector per pair of
+ *           dims), and each query row takes D/2 vdpbf16ps against them: no per-key horizontal sums
+ *   pass 2  softmax numerators, stored as bf16 (what pass 3's vdpbf16ps multiplies)
+ *   pass 3  two values at a time, interleaved into (v_t, v_t+1) pairs per dim, vdpbf16ps with the
+ *           rows' (p_t, p_t+1) pairs; the dims come out permuted within each 128-bit lane and are
+ *           put back in order at the store
+ * bf16 with AVX512-BF16 only, D in {32, 64, 128, 256}, G <= 8, an even block size; returns 2 for
+ * anything else (the caller then takes the decode kernel row by row), 1 when memory ran out. */
+int FN(paged_prefill_attention)(const T *q, int64_t q_tok_stride, int64_t q_head_stride, const T *k_cache,
+                                const T *v_cache, const int32_t *block_tables, int64_t block_table_stride,
+                                const int32_t *query_starts, const int32_t *context_lens, T *out,
+                                int64_t num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
+                                int block_size, float scale, int num_threads) {
+#if HAVE_AVX512 && DP_BF16
+    const int D = head_dim, B = block_size, hkv = num_kv_heads;
+    if ((D != 32 && D != 64 && D != 128 && D != 256) || B % 2 || num_q_heads % hkv || num_q_heads / hkv > 8)
+        return 2;
+    const int G = num_q_heads / hkv, RG = PREFILL_TILE * G;
+    int64_t tiles = 0;
+    int max_ctx = 2;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        tiles += (query_starts[s + 1] - query_starts[s] + PREFILL_TILE - 1) / PREFILL_TILE;
+        max_ctx = context_lens[s] > max_ctx ? context_lens[s] : max_ctx;
+    }
+    int64_t *tile_seq = (int64_t *)malloc(sizeof(int64_t) * (size_t)(tiles + 1));
+    if (!tile_seq) return 1;
+    for (int64_t s = 0, t = 0; s < num_seqs; s++)
+        for (int i = 0; i < query_starts[s + 1] - query_starts[s]; i += PREFILL_TILE) tile_seq[t++] = (s << 32) | i;
+    const int ctx_pad = (max_ctx + 31) / 32 * 32;
+    int failed = 0;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads) if (tiles * hkv > 1)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(RG + 24) * ctx_pad);
+        uint16_t *probs = (uint16_t *)calloc((size_t)(RG + 24) * ctx_pad, sizeof(uint16_t));
+        __m512i kt[128];
+        if (!scores || !probs) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < tiles * hkv; it++) {
+            if (!scores || !probs) continue;
+            const int64_t s = tile_seq[it / hkv] >> 32;
+            const int i0 = (int)(tile_seq[it / hkv] & 0xffffffff), h = (int)(it % hkv);
+            const int q_len = query_starts[s + 1] - query_starts[s];
+            const int nr = q_len - i0 < PREFILL_TILE ? q_len - i0 : PREFILL_TILE;
+            const int first = context_lens[s] - q_len + i0;
+            const int32_t *table = block_tables + s * block_table_stride;
+            const int64_t q0 = query_starts[s] + i0;
+#define PREFILL_CASE(NP_)                                                                                    \
+    case NP_:                                                                                                \
+        FN(prefill_tile_dp)(q, q_tok_stride, q_head_stride, k_cache, v_cache, table, q0, first, nr, h, G, hkv, \
+                            B, num_q_heads, scale, out, scores, probs, ctx_pad, kt, NP_);                    \
+        break;
+            switch (D / 32) {
+                PREFILL_CASE(1) PREFILL_CASE(2) PREFILL_CASE(4) PREFILL_CASE(8)
+            }
+#undef PREFILL_CASE
+        }
+        free(scores);
+        free(probs);
+    }
+    free(tile_seq);
+    return failed;
+#else
+    (void)q, (void)q_tok_stride, (void)q_head_stride, (void)k_cache, (void)v_cache, (void)block_tables;
+    (void)block_table_stride, (void)query_starts, (void)context_lens, (void)out, (void)num_seqs;
+    (void)num_q_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)num_threads;
+    return 2;
+#endif
+}
+
 /* out = weight * round(r / sqrt(mean(r^2) + eps)) with r = round(x + residual) (written to
  * residual_out) or, when residual is NULL, r = x; round() is to T, as Hugging Face's Llama casts
  * before scaling. Rows of x may be strided; every other array is contiguous. */

@@ -14,6 +14,7 @@ from kernels import cpu_native, ops
 from kernels.activation import silu_and_mul_native
 from kernels.argmax import argmax_native
 from kernels.attention_decode import paged_decode_attention_native, paged_decode_attention_ref
+from kernels.attention_prefill import paged_prefill_attention_ref
 from kernels.kv_cache import store_kv_cache_native
 from kernels.rms_norm import rms_norm_native
 from kernels.rotary import rotary_embedding_native
@@ -374,3 +375,74 @@ def test_a_bf16_model_step_on_the_native_kernels_matches_the_torch_path():
     for (nk, nv), (pk, pv) in zip(native_kv, plain_kv, strict=True):  # this step's keys, stored alike
         torch.testing.assert_close(nk.float(), pk.float(), atol=5e-2, rtol=5e-2)
         torch.testing.assert_close(nv.float(), pv.float(), atol=5e-2, rtol=5e-2)
+
+
+def _tiled_prefill(inputs, num_threads=None, q=None):
+    from kernels.attention_prefill import paged_prefill_attention_native
+
+    meta = inputs.meta
+    nd = meta.num_decodes
+    return paged_prefill_attention_native(q if q is not None else inputs.q[meta.num_decode_tokens:],
+                                          inputs.k_cache, inputs.v_cache, meta.block_tables[nd:],
+                                          meta.prefill_query_start_loc, meta.context_lens[nd:], inputs.scale,
+                                          num_threads)
+
+
+def _dp_bf16() -> bool:
+    from kernels import cpu_features
+
+    return "avx512_bf16" in cpu_features.cpu_flags()
+
+
+# prompts (query = context) and chunks of longer contexts (query < context), tiles whole and cut
+PREFILL_LENS = ([2, 15, 1, 16, 17, 40, 130], [2, 20, 16, 16, 33, 100, 300])
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim",
+                         [(9, 3, 64), (8, 8, 128), (4, 1, 32), (16, 2, 64)])
+def test_tiled_prefill_matches_the_reference_and_reads_only_contexts(num_q_heads, num_kv_heads, head_dim,
+                                                                     block_size):
+    if not _dp_bf16():
+        pytest.skip("the tiled prefill kernel needs AVX512-BF16 (this CPU takes the row-by-row path)")
+    query_lens, context_lens = PREFILL_LENS
+    inputs = make_paged_inputs(query_lens, context_lens, num_q_heads, num_kv_heads, head_dim, block_size,
+                               dtype=torch.bfloat16, garbage=float("nan"))
+    got = _tiled_prefill(inputs)
+    assert got is not None
+    ref = paged_prefill_attention_ref(inputs.q.float(), inputs.k_cache.float(), inputs.v_cache.float(),
+                                      inputs.meta.block_tables, query_lens, context_lens, inputs.scale)
+    assert not got.isnan().any()
+    # bf16 inputs, probabilities rounded to bf16 before the value product, the output to bf16
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_tiled_prefill_gives_the_same_answer_on_any_thread_count_and_strided_queries():
+    if not _dp_bf16():
+        pytest.skip("the tiled prefill kernel needs AVX512-BF16 (this CPU takes the row-by-row path)")
+    inputs = make_paged_inputs([37, 5, 64], [37, 70, 64], 9, 3, 64, 16, dtype=torch.bfloat16,
+                               garbage=float("nan"))
+    one = _tiled_prefill(inputs, 1)
+    for n in (2, 3, 32):
+        assert torch.equal(_tiled_prefill(inputs, n), one)
+    fused = torch.zeros(inputs.q.shape[0], 15, 64, dtype=torch.bfloat16)  # q as a view of a wider row
+    fused[:, :9] = inputs.q
+    assert torch.equal(_tiled_prefill(inputs, 2, q=fused[:, :9]), one)
+
+
+def test_tiled_prefill_declines_what_it_does_not_take_and_ops_fall_back_to_rows(monkeypatch):
+    bf = make_paged_inputs([5, 9], [5, 20], 9, 3, 64, 16, dtype=torch.bfloat16)
+    assert _tiled_prefill(make_paged_inputs([5, 9], [5, 20], 9, 3, 64, 16)) is None  # fp32
+    for heads, kv_heads, dim, block in [(9, 3, 48, 16), (12, 1, 64, 16), (9, 3, 64, 5)]:  # D, G of 12, odd B
+        assert _tiled_prefill(make_paged_inputs([5, 9], [5, 20], heads, kv_heads, dim, block,
+                                                dtype=torch.bfloat16)) is None
+    if not _dp_bf16():
+        assert _tiled_prefill(bf) is None
+    # where the tiled kernel declines, the prefill still runs natively, row by row
+    from kernels import attention_prefill
+
+    monkeypatch.setattr(ops, "paged_prefill_attention_native", lambda *a, **k: None)
+    rows = ops.paged_attention(bf.q, bf.k_cache, bf.v_cache, bf.meta, bf.scale)
+    ref = attention_prefill.paged_prefill_attention_ref(bf.q.float(), bf.k_cache.float(), bf.v_cache.float(),
+                                                        bf.meta.block_tables, [5, 9], [5, 20], bf.scale)
+    torch.testing.assert_close(rows.float(), ref, atol=2e-2, rtol=2e-2)
