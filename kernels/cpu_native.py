@@ -144,6 +144,7 @@ def load() -> ctypes.CDLL | None:
             signatures = {f"{name}_{sfx}": sig for name, sig in typed.items() for sfx in SUFFIXES.values()}
             signatures["store_kv_cache"] = (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64])
             signatures["argmax_rows_f32"] = (None, [ptr, i64, i64, i64, ptr, i32])
+            signatures["cpu_kernels_features"] = (i32, [])
             for name, (restype, argtypes) in signatures.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes
@@ -151,6 +152,15 @@ def load() -> ctypes.CDLL | None:
     if _lib is None:
         log.warning("native CPU kernels unavailable, using the torch path: %s", _why_not)
     return _lib
+
+
+FEATURE_AVX512, FEATURE_AVX2, FEATURE_DP_BF16 = 1, 2, 4  # cpu_kernels_features() bits
+
+
+def features() -> int:
+    """What the loaded library was built to use (FEATURE_* bits); 0 when it is unavailable."""
+    lib = load()
+    return lib.cpu_kernels_features() if lib is not None else 0
 
 
 def why_unavailable() -> str:

@@ -98,6 +98,15 @@ static inline __m512 sum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd));
 }
 
+/* the largest of row[0 .. len - 1] (16 at a time, a masked tail); -inf for len 0 */
+static inline float row_max_ps(const float *row, int len) {
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int t = 0;
+    for (; t + 16 <= len; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
+    const __mmask16 tail = (__mmask16)((1u << (len - t)) - 1u);
+    return _mm512_reduce_max_ps(_mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, row + t)));
+}
+
 static inline __m512 bf16x16_to_ps(__m256i h) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -285,6 +294,16 @@ static int64_t first_item_of(const int32_t *context_lens, int hkv, int64_t items
 #endif
 #include "cpu_kernels_typed.h" /* which undefines the parameters above */
 
+
+/* What this build's kernels use: 1 AVX-512, 2 AVX2, 4 AVX512-BF16's vdpbf16ps (the tiled bf16 prefill). */
+int cpu_kernels_features(void) {
+#if defined(__AVX512BF16__)
+    const int dp = 4;
+#else
+    const int dp = 0;
+#endif
+    return (HAVE_AVX512 ? 1 : 0) | (HAVE_AVX2 ? 2 : 0) | (HAVE_AVX512 ? dp : 0);
+}
 
 /* key/value (T, Hkv, D) rows (token strides given in bytes, heads and dims contiguous) into the
  * caches' flat slots (num_slots, Hkv, D) of row_bytes each, any element type; slot -1 skips the

@@ -254,12 +254,9 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
     float inv_sum[8];
     for (int g = 0; g < G; g++) {
         float *row = scores + (int64_t)g * ctx;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        int t = 0;
-        for (; t + 16 <= ctx; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
-        const __mmask16 tail = (__mmask16)((1u << (ctx - t)) - 1u);
-        mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, row + t));
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        const __m512 m = _mm512_set1_ps(row_max_ps(row, ctx));
+        int t;
+        const __mmask16 tail = (__mmask16)((1u << (ctx % 16)) - 1u);
         __m512 sum = _mm512_setzero_ps();
         for (t = 0; t + 16 <= ctx; t += 16) {
             const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + t), m));
@@ -553,14 +550,9 @@ static inline __attribute__((always_inline)) void FN(prefill_tile_dp)(
         const int len = first + r / G + 1;
         float *row = scores + (int64_t)r * ctx_pad;
         uint16_t *pr = probs + (int64_t)r * ctx_pad;
-        __m512 mx = _mm512_set1_ps(-INFINITY);
-        int t = 0;
-        for (; t + 16 <= len; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + t));
-        const __mmask16 tail = (__mmask16)((1u << (len - t)) - 1u);
-        mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, row + t));
-        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+        const __m512 mv = _mm512_set1_ps(row_max_ps(row, len));
         __m512 sum = _mm512_setzero_ps();
-        for (t = 0; t < cpairs; t += 16) {
+        for (int t = 0; t < cpairs; t += 16) {
             const int valid = len - t < 0 ? 0 : len - t > 16 ? 16 : len - t;
             const __mmask16 k = (__mmask16)((1u << valid) - 1u);
             const __m512 e = _mm512_maskz_mov_ps(k, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + t), mv)));

@@ -389,9 +389,20 @@ def _tiled_prefill(inputs, num_threads=None, q=None):
 
 
 def _dp_bf16() -> bool:
+    """Whether the library was built with AVX512-BF16 (the tiled prefill's instructions)."""
+    return bool(cpu_native.features() & cpu_native.FEATURE_DP_BF16)
+
+
+def test_the_library_is_built_for_the_vector_units_this_cpu_has():
     from kernels import cpu_features
 
-    return "avx512_bf16" in cpu_features.cpu_flags()
+    if "-march=native" not in cpu_native.CFLAGS:
+        pytest.skip("built for another target than this CPU")
+    flags, got = cpu_features.cpu_flags(), cpu_native.features()
+    avx512 = {"avx512f", "avx512bw", "avx512vl"}
+    assert bool(got & cpu_native.FEATURE_AVX512) == (avx512 <= flags)
+    assert bool(got & cpu_native.FEATURE_DP_BF16) == (avx512 | {"avx512_bf16"} <= flags)
+    assert bool(got & (cpu_native.FEATURE_AVX512 | cpu_native.FEATURE_AVX2)) == ({"avx2", "fma"} <= flags)
 
 
 # prompts (query = context) and chunks of longer contexts (query < context), tiles whole and cut
@@ -404,7 +415,7 @@ PREFILL_LENS = ([2, 15, 1, 16, 17, 40, 130], [2, 20, 16, 16, 33, 100, 300])
 def test_tiled_prefill_matches_the_reference_and_reads_only_contexts(num_q_heads, num_kv_heads, head_dim,
                                                                      block_size):
     if not _dp_bf16():
-        pytest.skip("the tiled prefill kernel needs AVX512-BF16 (this CPU takes the row-by-row path)")
+        pytest.skip("the library has no AVX512-BF16 (CPU or build flags): prefill takes the row-by-row path")
     query_lens, context_lens = PREFILL_LENS
     inputs = make_paged_inputs(query_lens, context_lens, num_q_heads, num_kv_heads, head_dim, block_size,
                                dtype=torch.bfloat16, garbage=float("nan"))
@@ -419,7 +430,7 @@ def test_tiled_prefill_matches_the_reference_and_reads_only_contexts(num_q_heads
 
 def test_tiled_prefill_gives_the_same_answer_on_any_thread_count_and_strided_queries():
     if not _dp_bf16():
-        pytest.skip("the tiled prefill kernel needs AVX512-BF16 (this CPU takes the row-by-row path)")
+        pytest.skip("the library has no AVX512-BF16 (CPU or build flags): prefill takes the row-by-row path")
     inputs = make_paged_inputs([37, 5, 64], [37, 70, 64], 9, 3, 64, 16, dtype=torch.bfloat16,
                                garbage=float("nan"))
     one = _tiled_prefill(inputs, 1)
