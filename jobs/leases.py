@@ -93,17 +93,26 @@ class LeaseState:
             return False
         if now - self.heartbeat_ts > ttl_s:
             return False
-        return not (self.host == socket.gethostname() and not _pid_exists(self.pid))
+        return not (self.host == socket.gethostname() and not pid_running(self.pid))
 
 
-def _pid_exists(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
+    """Process `pid` exists and has not exited. An exited worker whose parent is gone stays a zombie
+    until init reaps it (seconds, or never under an init that does not reap), and kill(pid, 0)
+    succeeds on a zombie, so on Linux /proc says whether it is one."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return not Path("/proc/self/stat").exists()  # no /proc here: trust kill(); else it just went
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]  # the state follows "(comm)"
 
 
 @dataclass

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.leases import ShardLeases
+from jobs.leases import ShardLeases, pid_running
 from jobs.manifest import JobPaths, list_job_ids, load_manifest
 from jobs.supervise import job_progress
 from tests.jobs.helpers import LEASE_TTL_S, MODEL, wait_for
@@ -27,14 +27,6 @@ def _env() -> dict:
     env = dict(os.environ, BATCHGEN_LEASE_TTL_S=LEASE_TTL_S, OMP_NUM_THREADS="1")
     env.pop("BATCHGEN_BROKER_URL", None)
     return env
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _latest_attempts(m) -> dict[int, object]:
@@ -62,7 +54,7 @@ def test_sigkill_of_run_stops_its_workers_and_the_same_command_finishes_the_job(
         run.kill()
         run.communicate()
     # the worker hands its shard back and exits within seconds (not after its lease went stale)
-    wait_for(lambda: not _alive(pid), 30, f"worker {pid} to exit after its run was killed")
+    wait_for(lambda: not pid_running(pid), 30, f"worker {pid} to exit after its run was killed")
     ended = {s: st.state for s, st in _latest_attempts(m).items()}
     assert "running" not in ended.values() and "handed_back" in ended.values(), ended
     assert not out.exists()

@@ -8,7 +8,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from jobs.leases import ShardLeases
+import pytest
+
+from jobs.leases import ShardLeases, pid_running
 
 
 def test_one_claim_at_a_time_and_attempts_count_up(tmp_path):
@@ -49,6 +51,27 @@ def test_dead_by_missing_process_or_stale_heartbeat(tmp_path):
     time.sleep(0.3)
     assert other.latest(0).dead(time.time(), 0.2)
     assert other.try_claim(0, "w2").attempt == 2
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="zombies are told apart through /proc")
+def test_a_holder_that_exited_but_was_not_reaped_is_dead(tmp_path):
+    """A worker orphaned by `batchgen run` (SIGKILL) is reaped by init, seconds later or never: until
+    then kill(pid, 0) succeeds on its zombie, which must not keep the shard's attempt alive."""
+    leases = ShardLeases(tmp_path, ttl_s=30)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        lease = leases.try_claim(0, "w1")
+        lease.state.pid = child.pid
+        lease.write()
+        deadline = time.monotonic() + 30
+        while pid_running(child.pid) and time.monotonic() < deadline:  # exited, not reaped (no wait())
+            time.sleep(0.01)
+        os.kill(child.pid, 0)  # still there as a zombie ...
+        assert not pid_running(child.pid)  # ... which is not running
+        assert leases.latest(0).dead(time.time(), 30)
+    finally:
+        child.wait()
+    assert not pid_running(child.pid) and pid_running(os.getpid())
 
 
 def test_ended_attempts_are_not_dead_but_overdue_retries_are(tmp_path):

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.leases import ShardLeases
+from jobs.leases import ShardLeases, pid_running
 from jobs.manifest import JobPaths, list_job_ids, load_manifest
 from jobs.supervise import job_progress
 from tests.jobs.helpers import LEASE_TTL_S, MODEL, shards_of, wait_for
@@ -119,14 +119,7 @@ def _worker_pids(m) -> set[int]:
 
 
 def _alive(pids: set[int]) -> set[int]:
-    alive = set()
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        alive.add(pid)
-    return alive
+    return {pid for pid in pids if pid_running(pid)}
 
 
 def test_sigterm_stops_the_run_and_its_workers_like_ctrl_c(tmp_path):
