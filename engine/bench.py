@@ -93,8 +93,9 @@ GEMM_PEAK_SHAPES = [(1024, 1024, 1024), (2048, 576, 1536), (2048, 2048, 2048), (
 
 def measure_gemm_peaks(dtype_name: str = "float32", device: str = "cpu", seconds: float = 1.5) -> dict:
     """Best FLOP/s per GEMM path over a few square and model-like shapes, in this process:
-    `torch.mm` always, and oneDNN with packed weights (what the engine's CPU path runs in fp32 and
-    bf16, kernels/cpu_gemm.py) where it applies. MFU is taken against the best of them."""
+    `torch.mm` always, and on the CPU the packed paths the engine can run (kernels/cpu_gemm.py):
+    oneDNN's where it packs the dtype, batchgen's panel kernel where it has code for it. MFU is
+    taken against the best of them."""
     import torch
 
     from engine.model_runner import DTYPES
@@ -102,11 +103,18 @@ def measure_gemm_peaks(dtype_name: str = "float32", device: str = "cpu", seconds
 
     dtype = DTYPES[dtype_name]
     paths = {"torch.mm": lambda a, b: (lambda: torch.mm(a, b))}
-    if device == "cpu" and dtype in cpu_gemm.PACKED_DTYPES and cpu_gemm.enabled() and cpu_gemm.available():
-        def onednn(a, b):
-            packed = cpu_gemm.pack(b.t().contiguous())
-            return lambda: cpu_gemm.linear_native(a, packed)
-        paths["onednn-packed"] = onednn
+    if device == "cpu" and cpu_gemm.enabled():
+        probe = torch.empty(cpu_gemm.PANEL, 2, dtype=dtype)
+        if dtype in cpu_gemm.PACKED_DTYPES and cpu_gemm.available() and cpu_gemm.packs_dtype(dtype):
+            def onednn(a, b):
+                packed = cpu_gemm.pack_onednn(b.t().contiguous())
+                return lambda: cpu_gemm.linear_native(a, packed)
+            paths["onednn-packed"] = onednn
+        if cpu_gemm.panels_apply(probe):
+            def panels(a, b):
+                packed = cpu_gemm.pack_panels(b.t().contiguous())
+                return lambda: cpu_gemm.linear_panels(a, packed)
+            paths["panels"] = panels
     peaks = {}
     for name, make in paths.items():
         best = 0.0

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from kernels import ops
+from kernels import cpu_gemm, ops
 from kernels.metadata import AttentionMetadata
 
 
@@ -106,10 +106,11 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
+        setattr(self.gate_up_proj, cpu_gemm.GATE_UP, True)  # packing may pair gate and up columns
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = ops.silu_and_mul(ops.linear(x, self.gate_up_proj))  # (T, 2I) -> (T, I)
+        hidden = ops.linear_silu_and_mul(x, self.gate_up_proj)  # (T, dim) -> (T, 2I) -> (T, I)
         return ops.linear(hidden, self.down_proj)  # (T, dim)
 
 
@@ -146,13 +147,13 @@ class Transformer(nn.Module):
         self.tied_head: nn.Linear | None = None
 
     def pack_weights(self) -> bool:
-        """Pack every projection's weight (and the lm_head's) in place for the CPU's oneDNN GEMMs
-        (kernels.ops.pack_linears); returns whether packing applied."""
+        """Pack every projection's weight (and the lm_head's) in place for the CPU's packed GEMMs
+        (batchgen's panel kernel, else oneDNN: kernels.ops.pack_linears); returns whether packing applied."""
         if self.lm_head is None and self.tied_head is None:
             self.tied_head = nn.Linear(self.args.dim, self.args.vocab_size, bias=False, device="meta")
             self.tied_head.weight = self.embed_tokens.weight  # shared until packed
         packed = ops.pack_linears(self)
-        if not packed and self.tied_head is not None and not self.tied_head.weight.is_mkldnn:
+        if not packed and self.tied_head is not None and not cpu_gemm.is_packed(self.tied_head.weight):
             self.tied_head = None  # nothing packed: the embedding serves as the head, as before
         return packed
 
@@ -181,7 +182,7 @@ class Transformer(nn.Module):
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face Llama tensors in, fusing q/k/v and gate/up; every parameter must be set."""
         packed = self.tied_head is not None or any(
-            m.weight.is_mkldnn for m in self.modules() if isinstance(m, nn.Linear))
+            cpu_gemm.is_packed(m.weight) for m in self.modules() if isinstance(m, nn.Linear))
         ops.unpack_linears(self)  # plain weights to copy into; packed again below
         self.tied_head = None
         params = dict(self.named_parameters())

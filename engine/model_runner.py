@@ -159,7 +159,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)  # Triton launches on the current device
         else:
             keep_freed_memory_mapped()
-            model.pack_weights()  # oneDNN's packed fp32 GEMMs: ~2x MKL's on AMD (kernels/cpu_gemm.py)
+            model.pack_weights()  # packed GEMMs: ~2x MKL's fp32 on AMD (kernels/cpu_gemm.py)
         model.init_rope(max_model_len)
         self.enforce_eager = enforce_eager
         self.buckets = [] if enforce_eager else graph_buckets(min(max_num_seqs, max_num_batched_tokens))

@@ -1,14 +1,20 @@
-"""The projections' GEMM: the torch reference (`F.linear`) and the cpu-native one, oneDNN over weights
-packed once into its blocked layout.
+"""The projections' GEMM: the torch reference (`F.linear`) and the cpu-native ones over weights packed
+once: batchgen's own AVX-512 kernel (kernels/csrc/cpu_gemm.h) over panels of 64 output columns, or
+oneDNN over its blocked layout where that kernel has no code.
 
 Stock `F.linear` on a CPU build of torch runs fp32 through MKL, which on non-Intel x86 (this
 project's AMD EPYC machines) takes its AVX2 code: about 200 GFLOP/s on 2 cores, where oneDNN's
-AVX-512 kernels reach about 470 with packed weights (`python -m kernels.cpu_gemm` prints both for
-the model's shapes); bf16 goes to oneDNN either way, and packed is as fast or faster at every shape
-measured. Packing is in place: `pack_linears` swaps each `nn.Linear`'s weight for its packed
-(opaque) tensor and frees the plain one, so no second copy stays in memory; `unpack_linears` turns
-them back. `linear` reads which one a weight is. `BATCHGEN_ONEDNN=0` turns packing off, and anything
-oneDNN cannot take stays plain.
+AVX-512 kernels reach about 470 with packed weights. At a decode step's row counts (8 to 128) the
+panel kernel beats oneDNN in turn (bf16 64 x 576 x 960: ~360 against ~290 GF/s with the weights in
+cache, ~330 against ~210 streaming them from DRAM as a model's layers do; 1.5-1.9x at 1-8 rows,
+where oneDNN's ~15 us a call dominates); `python -m kernels.cpu_gemm` prints all three paths for the
+model's shapes. The panel kernel takes fp32 with AVX-512 and bf16 with AVX512-BF16, N a multiple
+of 64 (bf16: K even); oneDNN the rest of fp32 and bf16 where it packs that dtype.
+
+Packing is in place: `pack_linears` swaps each `nn.Linear`'s weight for its packed tensor and frees
+the plain one, so no second copy stays in memory; `unpack_linears` turns them back. `linear` reads
+which form a weight is in. `BATCHGEN_GEMM=onednn` keeps oneDNN where the panels would apply (to
+compare), `BATCHGEN_ONEDNN=0` turns all packing off, and anything neither takes stays plain.
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_features
+from kernels import cpu_features, cpu_native
 
 ENV_SWITCH = "BATCHGEN_ONEDNN"
+GEMM_ENV = "BATCHGEN_GEMM"  # "onednn": oneDNN even where the panel kernel applies
+PANEL = 64  # output columns a panel (GEMM_NR in csrc/cpu_gemm.h)
 PACK_BATCH_HINT = 128  # oneDNN picks its blocking for this many rows; measured good from M=8 to 2048
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -52,16 +60,84 @@ def packs_dtype(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool
     return True
 
 
+def panels_apply(weight: torch.Tensor) -> bool:
+    """Whether the panel kernel takes this (N, K) weight: a library built with AVX-512 (fp32) or
+    AVX512-BF16 (bf16), N a multiple of PANEL, an even K in bf16, and no BATCHGEN_GEMM=onednn."""
+    if os.environ.get(GEMM_ENV, "").lower() == "onednn" or not cpu_native.enabled():
+        return False
+    if weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[0] % PANEL or weight.shape[0] == 0:
+        return False
+    need = {torch.float32: cpu_native.FEATURE_AVX512,
+            torch.bfloat16: cpu_native.FEATURE_DP_BF16}.get(weight.dtype)
+    if need is None or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
+        return False
+    return bool(cpu_native.features() & need)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight (N, K) -> the panel kernel's layout: fp32 (N/64, K, 64), bf16 (N/64, K/2, 64, 2)."""
+    n, k = weight.shape
+    w = weight.detach()
+    if weight.dtype == torch.bfloat16:
+        return w.reshape(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
+    """pack_panels' inverse: (N, K)."""
+    if panels.dim() == 4:
+        p, pairs, _, _ = panels.shape
+        return panels.permute(0, 2, 1, 3).reshape(p * PANEL, pairs * 2)
+    p, k, _ = panels.shape
+    return panels.permute(0, 2, 1).reshape(p * PANEL, k)
+
+
+GATE_UP = "batchgen_gate_up"  # an nn.Linear with this attribute true holds [gate | up] rows (2I, K)
+
+
+def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
+    """[gate | up] (2I, K) -> panels whose 64 columns are 32 of gate and the same 32 of up, so that
+    the kernel's epilogue computes silu(gate) * up from its accumulators (linear_panels(silu=True))."""
+    n, k = weight.shape
+    half = n // 2
+    pairs = weight.detach().reshape(2, half // (PANEL // 2), PANEL // 2, k).transpose(0, 1)
+    return pack_panels(pairs.reshape(n, k))
+
+
+def unpack_gate_up(panels: torch.Tensor) -> torch.Tensor:
+    """pack_gate_up's inverse: [gate | up] (2I, K)."""
+    w = unpack_panels(panels)
+    n, k = w.shape
+    return w.reshape(n // PANEL, 2, PANEL // 2, k).transpose(0, 1).reshape(n, k)
+
+
+def is_panels(weight: torch.Tensor) -> bool:
+    return not weight.is_mkldnn and weight.dim() > 2
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight (N, K) fp32/bf16 on the CPU -> oneDNN's packed tensor, or None where packing does not apply."""
-    if not (enabled() and weight.device.type == "cpu" and packs_dtype(weight.dtype) and available()):
+    """weight (N, K) fp32/bf16 on the CPU -> panels where the panel kernel applies, else oneDNN's
+    packed tensor; None where packing does not apply."""
+    if not enabled():
+        return None
+    return pack_panels(weight) if panels_apply(weight) else pack_onednn(weight)
+
+
+def pack_onednn(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight (N, K) -> oneDNN's packed tensor, or None where oneDNN packs no such weight."""
+    if not (weight.device.type == "cpu" and packs_dtype(weight.dtype) and available()):
         return None
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
 
 
 def is_packed(weight: torch.Tensor) -> bool:
-    return weight.is_mkldnn
+    return weight.is_mkldnn or weight.dim() > 2
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """A packed weight (either form) back to its plain (N, K) tensor."""
+    return packed.to_dense() if packed.is_mkldnn else unpack_panels(packed)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -70,13 +146,40 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_native(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x (T, K) @ weight.T -> (T, N) through oneDNN, with the weight packed by pack()."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    """x (T, K) @ weight.T -> (T, N) with the weight packed by pack(): the panel kernel or oneDNN."""
+    if packed.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return linear_panels(x, packed)
+
+
+def linear_panels(x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor | None = None,
+                  n: int | None = None, silu: bool = False) -> torch.Tensor:
+    """x (T, K) @ W.T (+ residual (T, N)) -> (T, N) in x's dtype, W packed by pack_panels; `n` fewer
+    columns than the panels hold (the kernel masks the last panel). x's rows may be strided. With
+    silu, W packed by pack_gate_up: silu(x @ gate.T) * (x @ up.T), (T, I), in one pass."""
+    t, k = x.shape
+    n = panels.shape[0] * (PANEL // 2 if silu else PANEL) if n is None else n
+    ksize = panels.shape[1] * (2 if panels.dim() == 4 else 1)
+    if k != ksize or x.dtype != panels.dtype or x.stride(-1) != 1:
+        raise ValueError(f"linear_panels: x {tuple(x.shape)} {x.dtype} does not fit panels of K={ksize} "
+                         f"{panels.dtype} (rows of x must be contiguous)")
+    out = torch.empty(t, n, dtype=x.dtype)
+    if residual is not None and (silu or residual.shape != out.shape or residual.dtype != x.dtype
+                                 or residual.stride(-1) != 1):
+        raise ValueError(f"linear_panels: residual {tuple(residual.shape)} {residual.dtype} is not "
+                         f"({t}, {n}) {x.dtype} with contiguous rows")
+    fn = cpu_native.kernel("gemm", x.dtype)
+    rc = fn(x.data_ptr(), x.stride(0), t, k, panels.data_ptr(), n, out.data_ptr(), n,
+            None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
+            int(silu), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"the panel GEMM has no code for {x.dtype} on this CPU (declined, code {rc})")
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T through whichever form the weight is in."""
-    return linear_native(x, weight) if weight.is_mkldnn else linear_ref(x, weight)
+    return linear_native(x, weight) if is_packed(weight) else linear_ref(x, weight)
 
 
 def _bias_free_linears(module: nn.Module) -> list[nn.Linear]:
@@ -84,12 +187,17 @@ def _bias_free_linears(module: nn.Module) -> list[nn.Linear]:
 
 
 def pack_linears(module: nn.Module) -> bool:
-    """Pack every bias-free nn.Linear weight under module in place; returns whether all are packed."""
+    """Pack every bias-free nn.Linear weight under module in place; returns whether all are packed.
+    A [gate | up] one (GATE_UP) gets gate/up panels where the panel kernel takes it."""
     done = True
     for m in _bias_free_linears(module):
         if is_packed(m.weight):
             continue
-        packed = pack(m.weight)
+        pairs = getattr(m, GATE_UP, False) and m.weight.shape[0] % (2 * PANEL) == 0
+        if enabled() and pairs and panels_apply(m.weight):
+            packed = pack_gate_up(m.weight)
+        else:
+            packed = pack(m.weight)
         if packed is None:
             done = False
             continue
@@ -101,17 +209,29 @@ def unpack_linears(module: nn.Module) -> None:
     """Back to plain weights (to load new ones, or read them)."""
     for m in _bias_free_linears(module):
         if is_packed(m.weight):
-            m.weight = nn.Parameter(m.weight.to_dense(), requires_grad=False)
+            plain = unpack_gate_up(m.weight) if gate_up_panels(m) else unpack(m.weight)
+            m.weight = nn.Parameter(plain.contiguous(), requires_grad=False)
 
 
-def flops_per_s(m: int, k: int, n: int, use_packed: bool, seconds: float = 0.3,
+def gate_up_panels(layer: nn.Linear) -> bool:
+    """Whether layer's weight is packed as gate/up panels (linear_panels(silu=True) applies)."""
+    return getattr(layer, GATE_UP, False) and is_panels(layer.weight)
+
+
+PATHS = {  # the GEMM paths main() compares: how each packs a weight (None: it does not apply)
+    "F.linear": lambda w: w,
+    "oneDNN packed": pack_onednn,
+    "panels": lambda w: pack_panels(w) if panels_apply(w) else None,
+}
+
+
+def flops_per_s(m: int, k: int, n: int, path: str, seconds: float = 0.3,
                 dtype: torch.dtype = torch.float32) -> float:
-    """Measured FLOP/s of one (m, k) x (k, n) product on the CPU, packed oneDNN or F.linear."""
-    x, w = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-    if use_packed:
-        w = pack(w)
-        if w is None:
-            return 0.0
+    """Measured FLOP/s of one (m, k) x (k, n) product on the CPU through one of PATHS (0 where it
+    does not apply)."""
+    x, w = torch.randn(m, k, dtype=dtype), PATHS[path](torch.randn(n, k, dtype=dtype))
+    if w is None:
+        return 0.0
     linear(x, w)
     reps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
@@ -121,13 +241,13 @@ def flops_per_s(m: int, k: int, n: int, use_packed: bool, seconds: float = 0.3,
 
 
 def main() -> None:
-    """Print F.linear against packed oneDNN for SmolLM2-135M's decode and prefill shapes, fp32 and bf16."""
-    print(f"{'m x k x n':>18} {'dtype':>9} {'F.linear GF/s':>14} {'oneDNN packed GF/s':>19}")
+    """Print GF/s of every path for SmolLM2-135M's decode and prefill shapes, fp32 and bf16."""
+    print(f"{'m x k x n':>18} {'dtype':>9}" + "".join(f" {name + ' GF/s':>18}" for name in PATHS))
     for dtype in PACKED_DTYPES:
         for m, k, n in [(8, 576, 960), (64, 576, 960), (128, 576, 3072), (128, 1536, 576),
                         (128, 576, 49152), (2048, 576, 3072), (1024, 1024, 1024)]:
-            plain, packed = (flops_per_s(m, k, n, p, dtype=dtype) / 1e9 for p in (False, True))
-            print(f"{f'{m}x{k}x{n}':>18} {str(dtype)[6:]:>9} {plain:14.0f} {packed:19.0f}")
+            rates = (flops_per_s(m, k, n, path, dtype=dtype) / 1e9 for path in PATHS)
+            print(f"{f'{m}x{k}x{n}':>18} {str(dtype)[6:]:>9}" + "".join(f" {r:18.0f}" for r in rates))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ The kernels, for fp32 and bf16 tensors (fp32 arithmetic either way): paged decod
 reads keys and values in place from the block-paged cache instead of gathering them (the gather was
 ~16% of a decode step on 2 cores), the elementwise ops of a layer (RMSNorm with the residual add,
 rotary, SiLU-and-mul), each one pass instead of several torch ops and their temporaries, the KV
-store and the sampler's row-wise argmax. Threads come from torch's own OpenMP pool.
+store, the sampler's row-wise argmax and the projections' GEMM over weights packed in panels of 64
+columns (csrc/cpu_gemm.h; kernels/cpu_gemm.py packs them). Threads come from torch's own OpenMP pool.
 When no compiler is found or the build fails, `load()` returns None, says why once in the log and
 the torch path runs instead; `BATCHGEN_NATIVE=0` turns the native path off.
 """
@@ -30,7 +31,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-HEADERS = [SOURCE.with_name("cpu_kernels_typed.h")]  # included by SOURCE: part of the build's key
+# included by SOURCE: part of the build's key
+HEADERS = [SOURCE.with_name("cpu_kernels_typed.h"), SOURCE.with_name("cpu_gemm.h")]
 # the storage types the typed kernels are built for, and their functions' name suffixes
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # -fassociative-math lets the compiler vectorise the dot-product reductions; no -ffinite-math-only
@@ -140,6 +142,7 @@ def load() -> ctypes.CDLL | None:
                 "rms_norm": (None, [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]),
                 "rotary": (i64, [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, i64, i64, i64, i32]),
                 "silu_and_mul": (None, [ptr, i64, ptr, i64, i64, i32]),
+                "gemm": (i32, [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i32, i32]),
             }
             signatures = {f"{name}_{sfx}": sig for name, sig in typed.items() for sfx in SUFFIXES.values()}
             signatures["store_kv_cache"] = (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64])

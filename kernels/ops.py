@@ -53,6 +53,7 @@ __all__ = [
     "fused_add_rms_norm",
     "get_backend",
     "linear",
+    "linear_silu_and_mul",
     "make_cos_sin_cache",
     "pack_linears",
     "paged_attention",
@@ -250,6 +251,14 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     if cpu_gemm.is_packed(weight):
         return KERNELS["linear"]["cpu-native"](x, weight)
     return KERNELS["linear"]["torch"](x, weight)
+
+
+def linear_silu_and_mul(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """silu_and_mul(linear(x, layer)) for a [gate | up] layer: (T, K) -> (T, I). One pass (the GEMM's
+    epilogue) where packing paired gate and up columns in the panel kernel's layout."""
+    if cpu_gemm.gate_up_panels(layer):
+        return cpu_gemm.linear_panels(x, layer.weight, silu=True)
+    return silu_and_mul(linear(x, layer))
 
 
 def pack_linears(module: nn.Module) -> bool:

@@ -367,3 +367,5 @@ void argmax_rows_f32(const float *x, int64_t x_stride, int64_t rows, int64_t col
         out[r] = nan_at >= 0 ? nan_at : best;
     }
 }
+
+#include "cpu_gemm.h"

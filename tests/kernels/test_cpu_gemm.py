@@ -1,5 +1,5 @@
-"""oneDNN packed fp32/bf16 GEMMs (kernels/cpu_gemm.py), packed in place, and the model's use of them
-through kernels.ops."""
+"""The packed fp32/bf16 GEMMs (kernels/cpu_gemm.py): batchgen's panel kernel (csrc/cpu_gemm.h) and
+oneDNN's, packed in place, and the model's use of them through kernels.ops."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 from engine.bench import measure_gemm_peaks
 from engine.model import PRESETS, Transformer
-from kernels import cpu_gemm, ops
+from kernels import cpu_gemm, cpu_native, ops
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="this torch build has no oneDNN linear ops")
 
@@ -19,21 +19,154 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="this torch bui
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
+PANEL_NEEDS = {torch.float32: cpu_native.FEATURE_AVX512, torch.bfloat16: cpu_native.FEATURE_DP_BF16}
+
+
+def _skip_without_panels(dtype):
+    if not cpu_native.features() & PANEL_NEEDS[dtype]:
+        pytest.skip(f"the panel GEMM has no {dtype} code in this build "
+                    "(fp32 needs AVX-512, bf16 AVX512-BF16)")
+
+
+@pytest.mark.parametrize("form", ["panels", "onednn"])
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("rows", [1, 7, 128, 300])
-def test_packed_linear_matches_f_linear(rows, dtype):
+def test_packed_linear_matches_f_linear(rows, dtype, form, monkeypatch):
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen)
     x, w = x.to(dtype), w.to(dtype)
+    if form == "onednn":
+        monkeypatch.setenv(cpu_gemm.GEMM_ENV, "onednn")
+    else:
+        _skip_without_panels(dtype)
     packed = cpu_gemm.pack(w)
-    if not cpu_gemm.packs_dtype(dtype):
+    if form == "onednn" and not cpu_gemm.packs_dtype(dtype):
         assert packed is None  # stays plain (F.linear) rather than failing in oneDNN
         pytest.skip(f"oneDNN packs no {dtype} weights on this CPU (needs avx512bw/vl/dq or avx_ne_convert)")
     assert packed is not None and cpu_gemm.is_packed(packed)
+    assert cpu_gemm.is_panels(packed) == (form == "panels")
     atol, rtol = TOLERANCE[dtype]
     want = F.linear(x, w)
     torch.testing.assert_close(cpu_gemm.linear(x, packed), want, atol=atol * 10, rtol=rtol)
-    assert torch.equal(packed.to_dense(), w)  # reversible: unpack gives the weight back exactly
+    assert torch.equal(cpu_gemm.unpack(packed), w)  # reversible: unpack gives the weight back exactly
+
+
+def _exact(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ residual) in float64, then rounded once to x's dtype: what the kernel should give
+    up to its fp32 accumulation."""
+    out = x.double() @ w.double().T
+    if residual is not None:
+        out = out + residual.double()
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_panel_kernel_every_tile_height_strided_rows_residual_and_a_partial_panel(dtype, threads):
+    """Rows 1..40 cover every tile height (1-6) and the split of rows between threads; x is a
+    strided view, `n` leaves part of the last panel unused (masked stores), and the residual is
+    added in the epilogue."""
+    _skip_without_panels(dtype)
+    gen = torch.Generator().manual_seed(7)
+    k, n_full = 96, 192
+    w = (torch.randn(n_full, k, generator=gen) * 0.1).to(dtype)
+    panels = cpu_gemm.pack_panels(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in [*range(1, 14), 24, 31, 40]:
+            wide = torch.randn(rows, k + 32, generator=gen).to(dtype)
+            x = wide[:, 16:16 + k]  # rows k + 32 apart
+            for n in (n_full, n_full - 37):
+                got = cpu_gemm.linear_panels(x, panels, n=n)
+                want = _exact(x, w[:n])
+                torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2,
+                                           rtol=1e-5 if dtype == torch.float32 else 8e-3)
+                res = torch.randn(rows, n, generator=gen).to(dtype)
+                got = cpu_gemm.linear_panels(x, panels, residual=res, n=n)
+                torch.testing.assert_close(got, _exact(x, w[:n], res),
+                                           atol=1e-5 if dtype == torch.float32 else 2e-2,
+                                           rtol=1e-5 if dtype == torch.float32 else 8e-3)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("rows", [1, 5, 64, 131])
+def test_gate_up_panels_give_silu_and_mul_in_the_epilogue(rows, dtype):
+    """[gate | up] packed as gate/up panels: one pass gives silu(x @ gate.T) * (x @ up.T)."""
+    _skip_without_panels(dtype)
+    gen = torch.Generator().manual_seed(rows)
+    inter, k = 192, 80
+    w = (torch.randn(2 * inter, k, generator=gen) * 0.2).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    panels = cpu_gemm.pack_gate_up(w)
+    assert torch.equal(cpu_gemm.unpack_gate_up(panels), w)
+    got = cpu_gemm.linear_panels(x, panels, silu=True)
+    gate, up = x.double() @ w[:inter].double().T, x.double() @ w[inter:].double().T
+    want = (F.silu(gate) * up).to(dtype)
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 1e-2)
+    torch.testing.assert_close(got, want, atol=atol, rtol=rtol)
+    # what the unfused path gives (the GEMM's output rounded to dtype first) is within bf16's error
+    torch.testing.assert_close(got, ops.silu_and_mul(F.linear(x, w)), atol=atol * 4, rtol=rtol * 4)
+
+
+def test_model_gate_up_packs_as_pairs_and_unpacks_exactly():
+    _skip_without_panels(torch.float32)
+    torch.manual_seed(0)
+    model = Transformer(PRESETS["tiny"]).eval()
+    plain = model.layers[0].mlp.gate_up_proj.weight.detach().clone()
+    assert model.pack_weights()
+    assert cpu_gemm.gate_up_panels(model.layers[0].mlp.gate_up_proj)
+    assert not cpu_gemm.gate_up_panels(model.layers[0].mlp.down_proj)
+    ops.unpack_linears(model)
+    assert torch.equal(model.layers[0].mlp.gate_up_proj.weight, plain)
+
+
+def test_panel_kernel_keeps_nan_and_inf_in_their_rows():
+    _skip_without_panels(torch.float32)
+    w = torch.randn(64, 32)
+    x = torch.randn(8, 32)
+    x[2, 5], x[6, 0] = float("nan"), float("inf")
+    got = cpu_gemm.linear_panels(x, cpu_gemm.pack_panels(w))
+    assert got[2].isnan().all() and not got[[0, 1, 3, 4, 5, 7]].isnan().any()
+    assert not torch.isfinite(got[6]).any()
+    torch.testing.assert_close(got[[0, 1, 3, 4, 5, 7]], F.linear(x, w)[[0, 1, 3, 4, 5, 7]])
+
+
+def test_panel_kernel_rejects_what_does_not_fit():
+    _skip_without_panels(torch.float32)
+    panels = cpu_gemm.pack_panels(torch.randn(64, 32))
+    with pytest.raises(ValueError, match="does not fit panels of K=32"):
+        cpu_gemm.linear_panels(torch.randn(4, 48), panels)
+    with pytest.raises(ValueError, match="does not fit panels"):
+        cpu_gemm.linear_panels(torch.randn(4, 32).bfloat16(), panels)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        cpu_gemm.linear_panels(torch.randn(32, 4).t(), panels)
+    with pytest.raises(ValueError, match="residual"):
+        cpu_gemm.linear_panels(torch.randn(4, 32), panels, residual=torch.randn(4, 63))
+
+
+BOTH = cpu_native.FEATURE_AVX512 | cpu_native.FEATURE_DP_BF16
+
+
+def test_panels_take_only_what_the_kernel_has_code_for(monkeypatch):
+    """N not a multiple of 64, an odd K in bf16, fp16, or BATCHGEN_GEMM=onednn: oneDNN (or plain)."""
+    monkeypatch.setattr(cpu_native, "features", lambda: BOTH)
+    assert cpu_gemm.panels_apply(torch.randn(128, 48))
+    assert cpu_gemm.panels_apply(torch.randn(128, 48).bfloat16())
+    assert not cpu_gemm.panels_apply(torch.randn(100, 48))  # N % 64
+    assert not cpu_gemm.panels_apply(torch.randn(128, 47).bfloat16())  # odd K in pairs
+    assert cpu_gemm.panels_apply(torch.randn(128, 47))  # fp32 takes any K
+    assert not cpu_gemm.panels_apply(torch.randn(128, 48).half())
+    monkeypatch.setattr(cpu_native, "features", lambda: cpu_native.FEATURE_AVX512)  # no vdpbf16ps
+    assert not cpu_gemm.panels_apply(torch.randn(128, 48).bfloat16())
+    assert cpu_gemm.panels_apply(torch.randn(128, 48))
+    monkeypatch.setattr(cpu_native, "features", lambda: cpu_native.FEATURE_AVX2)  # an AVX2-only build
+    assert not cpu_gemm.panels_apply(torch.randn(128, 48))
+    monkeypatch.setattr(cpu_native, "features", lambda: BOTH)
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "onednn")
+    assert not cpu_gemm.panels_apply(torch.randn(128, 48))
 
 
 def test_packing_is_off_where_it_does_not_apply(monkeypatch):
@@ -69,7 +202,7 @@ def test_torch_backend_packs_nothing():
         assert not model.pack_weights()
     finally:
         ops.set_backend(None)
-    assert model.tied_head is None and not any(p.is_mkldnn for p in model.parameters())
+    assert model.tied_head is None and not any(cpu_gemm.is_packed(p) for p in model.parameters())
 
 
 def test_model_gives_the_same_logits_packed_and_unpacked():
@@ -80,9 +213,9 @@ def test_model_gives_the_same_logits_packed_and_unpacked():
         plain = model.compute_logits(hidden)
         mlp_plain = model.layers[0].mlp(hidden)
         assert model.pack_weights()
-        assert model.tied_head is not None and model.tied_head.weight.is_mkldnn
-        assert all(m.weight.is_mkldnn for m in model.modules() if isinstance(m, nn.Linear))
-        assert not model.embed_tokens.weight.is_mkldnn  # lookups still read plain rows
+        assert model.tied_head is not None and cpu_gemm.is_packed(model.tied_head.weight)
+        assert all(cpu_gemm.is_packed(m.weight) for m in model.modules() if isinstance(m, nn.Linear))
+        assert not cpu_gemm.is_packed(model.embed_tokens.weight)  # lookups still read plain rows
         torch.testing.assert_close(model.compute_logits(hidden), plain, atol=1e-4, rtol=1e-5)
         torch.testing.assert_close(model.layers[0].mlp(hidden), mlp_plain, atol=1e-4, rtol=1e-5)
 
@@ -95,12 +228,14 @@ def test_packing_is_in_place_no_second_copy():
         if isinstance(m, nn.Linear) and id(m) in before:
             assert m.weight is not before[id(m)]  # the module holds only the packed tensor now
     projections = [p for n, p in model.named_parameters() if "proj" in n]
-    assert projections and all(p.is_mkldnn for p in projections)
+    assert projections and all(cpu_gemm.is_packed(p) for p in projections)
 
 
-def test_gemm_peak_counts_the_path_the_engine_runs():
+def test_gemm_peak_counts_the_paths_the_engine_runs():
     peaks = measure_gemm_peaks("float32", "cpu", seconds=0.2)
-    assert set(peaks) == {"torch.mm", "onednn-packed"} and min(peaks.values()) > 0
+    panels = cpu_native.features() & cpu_native.FEATURE_AVX512
+    want = {"torch.mm", "onednn-packed"} | ({"panels"} if panels else set())
+    assert set(peaks) == want and min(peaks.values()) > 0
 
 
 def test_loading_new_weights_repacks():
@@ -124,12 +259,18 @@ def _args(config):
     return ModelArgs.from_hf_config(config)
 
 
-def test_the_gemm_comparison_script_measures_both_paths(capsys, monkeypatch):
-    monkeypatch.setattr(cpu_gemm, "flops_per_s",
-                        lambda m, k, n, packed, seconds=0.3, dtype=None: 2e9 if packed else 1e9)
+def test_the_gemm_comparison_script_measures_every_path(capsys, monkeypatch):
+    rates = {"F.linear": 1e9, "oneDNN packed": 2e9, "panels": 3e9}
+    monkeypatch.setattr(cpu_gemm, "flops_per_s", lambda m, k, n, path, seconds=0.3, dtype=None: rates[path])
     cpu_gemm.main()
     lines = capsys.readouterr().out.splitlines()
-    assert "oneDNN packed GF/s" in lines[0] and lines[2].split() == ["64x576x960", "float32", "1", "2"]
-    assert ["64x576x960", "bfloat16", "1", "2"] in [line.split() for line in lines]
-    assert cpu_gemm.flops_per_s(8, 16, 16, True, seconds=0.01) > 0
-    assert cpu_gemm.flops_per_s(8, 16, 16, False, seconds=0.01) > 0
+    assert "oneDNN packed GF/s" in lines[0] and "panels GF/s" in lines[0]
+    assert lines[2].split() == ["64x576x960", "float32", "1", "2", "3"]
+    assert ["64x576x960", "bfloat16", "1", "2", "3"] in [line.split() for line in lines]
+
+
+@pytest.mark.parametrize("path", list(cpu_gemm.PATHS))
+def test_each_compared_path_measures_or_says_it_does_not_apply(path):
+    rate = cpu_gemm.flops_per_s(8, 16, 64, path, seconds=0.01)
+    applies = path == "F.linear" or cpu_gemm.PATHS[path](torch.randn(64, 16)) is not None
+    assert (rate > 0) == applies
