@@ -6,8 +6,9 @@ Stock `F.linear` on a CPU build of torch runs fp32 through MKL, which on non-Int
 project's AMD EPYC machines) takes its AVX2 code: about 200 GFLOP/s on 2 cores, where oneDNN's
 AVX-512 kernels reach about 470 with packed weights. At a decode step's row counts (8 to 128) the
 panel kernel beats oneDNN in turn (bf16 64 x 576 x 960: ~360 against ~290 GF/s with the weights in
-cache, ~330 against ~210 streaming them from DRAM as a model's layers do; 1.5-1.9x at 1-8 rows,
-where oneDNN's ~15 us a call dominates); `python -m kernels.cpu_gemm` prints all three paths for the
+cache, ~330 against ~210 streaming them from DRAM as a model's layers do; 1.1-1.9x at 1-8 rows,
+where oneDNN's ~15 us a call weighs most; level from 512 rows up; a bf16 decode step of 64
+sequences 74.6 against 88.6 ms); `python -m kernels.cpu_gemm` prints all three paths for the
 model's shapes. The panel kernel takes fp32 with AVX-512 and bf16 with AVX512-BF16, N a multiple
 of 64 (bf16: K even); oneDNN the rest of fp32 and bf16 where it packs that dtype.
 
