@@ -161,19 +161,26 @@ static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads) {
  * apart, when not NULL; it may be out itself). With silu (res unused): the weight's panels are
  * gate/up pairs (32 columns of each, kernels/cpu_gemm.py pack_gate_up) and out (m, n) = silu(x @
  * gate.T) * (x @ up.T), n the intermediate size. 0 done, 2 declined (no code for this CPU). */
+#if HAVE_AVX512
+#define GEMM_RUN(TILE, T, KSTEP)                                                                      \
+    if (silu) {                                                                                      \
+        GEMM_DRIVER(TILE, T, KSTEP, 1)                                                               \
+    } else {                                                                                         \
+        GEMM_DRIVER(TILE, T, KSTEP, 0)                                                               \
+    }                                                                                                \
+    return 0;
+#endif
+#define GEMM_DECLINE                                                                                  \
+    (void)x, (void)xs, (void)m, (void)k, (void)w, (void)n, (void)out, (void)os, (void)res, (void)rs; \
+    (void)silu, (void)num_threads;                                                                   \
+    return 2;
+
 int gemm_f32(const float *x, int64_t xs, int64_t m, int64_t k, const float *w, int64_t n, float *out,
              int64_t os, const float *res, int64_t rs, int silu, int num_threads) {
 #if HAVE_AVX512
-    if (silu) {
-        GEMM_DRIVER(gemm_tile_f32, float, 1, 1)
-    } else {
-        GEMM_DRIVER(gemm_tile_f32, float, 1, 0)
-    }
-    return 0;
+    GEMM_RUN(gemm_tile_f32, float, 1)
 #else
-    (void)x, (void)xs, (void)m, (void)k, (void)w, (void)n, (void)out, (void)os, (void)res, (void)rs;
-    (void)silu, (void)num_threads;
-    return 2;
+    GEMM_DECLINE
 #endif
 }
 
@@ -181,15 +188,8 @@ int gemm_bf16(const uint16_t *x, int64_t xs, int64_t m, int64_t k, const uint16_
               uint16_t *out, int64_t os, const uint16_t *res, int64_t rs, int silu, int num_threads) {
 #if HAVE_AVX512 && defined(__AVX512BF16__)
     if (k % 2) return 2;
-    if (silu) {
-        GEMM_DRIVER(gemm_tile_bf16, uint16_t, 2, 1)
-    } else {
-        GEMM_DRIVER(gemm_tile_bf16, uint16_t, 2, 0)
-    }
-    return 0;
+    GEMM_RUN(gemm_tile_bf16, uint16_t, 2)
 #else
-    (void)x, (void)xs, (void)m, (void)k, (void)w, (void)n, (void)out, (void)os, (void)res, (void)rs;
-    (void)silu, (void)num_threads;
-    return 2;
+    GEMM_DECLINE
 #endif
 }

@@ -3,6 +3,8 @@ oneDNN's, packed in place, and the model's use of them through kernels.ops."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,6 +123,22 @@ def test_model_gate_up_packs_as_pairs_and_unpacks_exactly():
     assert not cpu_gemm.gate_up_panels(model.layers[0].mlp.down_proj)
     ops.unpack_linears(model)
     assert torch.equal(model.layers[0].mlp.gate_up_proj.weight, plain)
+
+
+def test_a_build_without_avx512_declines_and_packing_keeps_onednn(monkeypatch, tmp_path):
+    """The library as an AVX2-only CPU gets it (-mno-avx512f after -march=native): its GEMM entry
+    declines instead of running, and packing picks oneDNN (or nothing) for every weight."""
+    from tests.kernels.test_cpu_native import _fresh_build_with
+
+    real = shutil.which("gcc") or shutil.which("cc")
+    _fresh_build_with(monkeypatch, tmp_path, "exec " + real + ' "$@" -mno-avx512f\n')
+    assert cpu_native.load() is not None and not cpu_native.features() & cpu_native.FEATURE_AVX512
+    w = torch.randn(128, 64)
+    assert not cpu_gemm.panels_apply(w) and not cpu_gemm.panels_apply(w.bfloat16())
+    packed = cpu_gemm.pack(w)
+    assert packed is None or packed.is_mkldnn
+    with pytest.raises(RuntimeError, match="declined, code 2"):
+        cpu_gemm.linear_panels(torch.randn(4, 64), cpu_gemm.pack_panels(w))
 
 
 def test_panel_kernel_keeps_nan_and_inf_in_their_rows():
