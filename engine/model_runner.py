@@ -32,6 +32,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 from engine.staging import Staging
+from kernels import cpu_gemm
 from kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ class ModelRunner:
         else:
             keep_freed_memory_mapped()
             model.pack_weights()  # packed GEMMs: ~2x MKL's fp32 on AMD (kernels/cpu_gemm.py)
+            log.info("CPU projections (%s): %s", self.dtype, cpu_gemm.packing_summary(model))
         model.init_rope(max_model_len)
         self.enforce_eager = enforce_eager
         self.buckets = [] if enforce_eager else graph_buckets(min(max_num_seqs, max_num_batched_tokens))

@@ -219,6 +219,17 @@ def gate_up_panels(layer: nn.Linear) -> bool:
     return getattr(layer, GATE_UP, False) and is_panels(layer.weight)
 
 
+def packing_summary(module: nn.Module) -> str:
+    """Which GEMM each bias-free nn.Linear under module runs, counted: e.g. "panel GEMM 90 (SiLU
+    fused into 30), oneDNN 1, plain 0" (for the engine's log)."""
+    layers = _bias_free_linears(module)
+    panels = sum(is_panels(m.weight) for m in layers)
+    fused = sum(gate_up_panels(m) for m in layers)
+    onednn = sum(m.weight.is_mkldnn for m in layers)
+    plain = len(layers) - panels - onednn
+    return f"panel GEMM {panels} (SiLU fused into {fused}), oneDNN {onednn}, plain {plain}"
+
+
 PATHS = {  # the GEMM paths main() compares: how each packs a weight (None: it does not apply)
     "F.linear": lambda w: w,
     "oneDNN packed": pack_onednn,

@@ -141,6 +141,14 @@ def test_a_build_without_avx512_declines_and_packing_keeps_onednn(monkeypatch, t
         cpu_gemm.linear_panels(torch.randn(4, 64), cpu_gemm.pack_panels(w))
 
 
+def test_packing_summary_counts_each_gemm_path():
+    _skip_without_panels(torch.float32)
+    model = Transformer(PRESETS["tiny"]).eval()
+    assert cpu_gemm.packing_summary(model) == "panel GEMM 0 (SiLU fused into 0), oneDNN 0, plain 8"
+    assert model.pack_weights()  # 2 layers x 4 projections in panels, the 259-row tied head in oneDNN
+    assert cpu_gemm.packing_summary(model) == "panel GEMM 8 (SiLU fused into 2), oneDNN 1, plain 0"
+
+
 def test_panel_kernel_keeps_nan_and_inf_in_their_rows():
     _skip_without_panels(torch.float32)
     w = torch.randn(64, 32)
