@@ -51,7 +51,7 @@ def test_bench_json_counts_every_token():
     result = CliRunner().invoke(bench, TINY + ["--num-requests", "6", "--prompt-len", "3-12",
                                                "--output-len", "2-6", "--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)  # the JSON alone: log lines (the engine's INFO ones) go to stderr
     engine = report["results"][0]
     wl = make_workload(6, (3, 12), (2, 6), 259, seed=0)
     assert engine["output_tokens"] == wl.output_tokens and engine["prompt_tokens"] == wl.prompt_tokens
@@ -62,7 +62,7 @@ def test_bench_constrained_share_runs_plain_and_constrained_and_reports_the_cost
     args = ["--num-requests", "4", "--prompt-len", "3-8", "--output-len", "6", "--constrained-share", "0.5"]
     result = CliRunner().invoke(bench, TINY + args + ["--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     plain, constrained = report["results"]
     assert (plain["num_constrained"], plain["mask_fill_s"]) == (0, 0.0)
     assert constrained["name"] == "constrained-0.5" and constrained["num_constrained"] == 2
