@@ -12,6 +12,7 @@ pass/fail: this is not a timed test.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import statistics
@@ -104,17 +105,14 @@ def measure_gemm_peaks(dtype_name: str = "float32", device: str = "cpu", seconds
     dtype = DTYPES[dtype_name]
     paths = {"torch.mm": lambda a, b: (lambda: torch.mm(a, b))}
     if device == "cpu" and cpu_gemm.enabled():
-        probe = torch.empty(cpu_gemm.PANEL, 2, dtype=dtype)
-        if dtype in cpu_gemm.PACKED_DTYPES and cpu_gemm.available() and cpu_gemm.packs_dtype(dtype):
-            def onednn(a, b):
-                packed = cpu_gemm.pack_onednn(b.t().contiguous())
-                return lambda: cpu_gemm.linear_native(a, packed)
-            paths["onednn-packed"] = onednn
-        if cpu_gemm.panels_apply(probe):
-            def panels(a, b):
-                packed = cpu_gemm.pack_panels(b.t().contiguous())
-                return lambda: cpu_gemm.linear_panels(a, packed)
-            paths["panels"] = panels
+        def packed(pack):  # (a, b) -> a run of a @ b with b packed once, as the engine holds weights
+            return lambda a, b: functools.partial(cpu_gemm.linear, a, pack(b.t().contiguous()))
+
+        probe = torch.zeros(cpu_gemm.PANEL, 2, dtype=dtype)
+        for name, path in (("onednn-packed", "oneDNN packed"), ("panels", "panels")):
+            pack = cpu_gemm.PATHS[path]  # returns None where the path does not apply (dtype, CPU)
+            if pack(probe) is not None:
+                paths[name] = packed(pack)
     peaks = {}
     for name, make in paths.items():
         best = 0.0

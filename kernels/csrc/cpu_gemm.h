@@ -2,7 +2,8 @@
  * once (kernels/cpu_gemm.py) into panels of GEMM_NR = 64 output columns:
  *   fp32  [N / 64][K][64]         one k of a panel is 4 zmm of weights
  *   bf16  [N / 64][K / 2][64][2]  pairs (k, k + 1) of a column side by side, as vdpbf16ps takes them
- * (the last panel padded with zero columns). A tile of up to GEMM_MR = 6 rows by 64 columns keeps its
+ * (N a multiple of 64: the packer takes no other; a caller's n may stop short of the last panel's
+ * end, and the stores are masked there). A tile of up to GEMM_MR = 6 rows by 64 columns keeps its
  * 24 accumulators in registers for all of K: per k (pair of k) it loads 4 zmm of the panel and
  * broadcasts one element (pair) of each row, so each weight loaded serves 6 rows and each x element
  * 64 columns. Threads split the panels (and, when there are few, the rows), each thread's panels
@@ -10,8 +11,8 @@
  * its share passes over it.
  *
  * Measured on 2 Zen 4 cores against oneDNN's packed linear (torch's mkldnn._linear_pointwise), in one
- * process: kernels/cpu_gemm.py's docstring has the numbers, its main() prints them again. Declines (returns 2) where it has no
- * code: no AVX-512 (fp32), no AVX512-BF16 (bf16), an odd K in bf16. */
+ * process: kernels/cpu_gemm.py's docstring has the numbers, its main() prints them again. Declines
+ * (returns 2) where it has no code: no AVX-512 (fp32), no AVX512-BF16 (bf16), an odd K in bf16. */
 #define GEMM_NR 64
 #define GEMM_MR 6
 
@@ -19,7 +20,7 @@
 
 /* the tile's epilogue: acc (+ residual) into out's rows, the first ncols (<= 64) columns; with silu
  * (a gate/up panel: columns 0-31 gate, 32-63 up) silu(gate) * up into ncols (<= 32) columns */
-#define GEMM_STORE(T, STORE16, LOAD16)                                                                \
+#define GEMM_STORE(STORE16, LOAD16)                                                                \
     for (int r = 0; r < mr; r++) {                                                                   \
         for (int j = 0; j < (silu ? 2 : 4); j++) {                                                   \
             const int c0 = 16 * j;                                                                   \
@@ -64,7 +65,7 @@ static inline __attribute__((always_inline)) void gemm_tile_f32(
             acc[r][3] = _mm512_fmadd_ps(a, b3, acc[r][3]);
         }
     }
-    GEMM_STORE(float, ST16_F32, LD16_F32)
+    GEMM_STORE(ST16_F32, LD16_F32)
 }
 
 #if defined(__AVX512BF16__)
@@ -88,7 +89,7 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(
             acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
         }
     }
-    GEMM_STORE(uint16_t, ST16_BF16, LD16_BF16)
+    GEMM_STORE(ST16_BF16, LD16_BF16)
 }
 #endif
 
