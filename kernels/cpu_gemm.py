@@ -10,7 +10,12 @@ cache, ~330 against ~210 streaming them from DRAM as a model's layers do; 1.1-1.
 where oneDNN's ~15 us a call weighs most; level from 512 rows up; a bf16 decode step of 64
 sequences 74.6 against 88.6 ms); `python -m kernels.cpu_gemm` prints all three paths for the
 model's shapes. The panel kernel takes fp32 with AVX-512 and bf16 with AVX512-BF16, N a multiple
-of 64 (bf16: K even); oneDNN the rest of fp32 and bf16 where it packs that dtype.
+of 64 (bf16: K even); oneDNN the rest of fp32 and bf16 where it packs that dtype. On a CPU with AMX
+(Xeon Sapphire Rapids and later) bf16 panels run on its tiles where K is a multiple of 32 (2
+Xeon cores: 1.5 against oneDNN's 1.2 TF/s at 64 x 576 x 960, 2.1 against 2.0 at 128 x 576 x 3072,
+where vdpbf16ps gave ~0.2; 30 layers' projections streamed from DRAM at 64 rows 20.6 against 22.0
+ms); where this build cannot use them, bf16 stays with oneDNN, which can. `BATCHGEN_GEMM=avx512`
+keeps the vdpbf16ps kernel (read when weights are packed).
 
 Packing is in place: `pack_linears` swaps each `nn.Linear`'s weight for its packed tensor and frees
 the plain one, so no second copy stays in memory; `unpack_linears` turns them back. `linear` reads
@@ -30,7 +35,7 @@ from torch import nn
 from kernels import cpu_features, cpu_native
 
 ENV_SWITCH = "BATCHGEN_ONEDNN"
-GEMM_ENV = "BATCHGEN_GEMM"  # "onednn": oneDNN even where the panel kernel applies
+GEMM_ENV = "BATCHGEN_GEMM"  # "onednn": oneDNN even where the panel kernel applies; "avx512": no AMX tiles
 PANEL = 64  # output columns a panel (GEMM_NR in csrc/cpu_gemm.h)
 PACK_BATCH_HINT = 128  # oneDNN picks its blocking for this many rows; measured good from M=8 to 2048
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -72,7 +77,20 @@ def panels_apply(weight: torch.Tensor) -> bool:
             torch.bfloat16: cpu_native.FEATURE_DP_BF16}.get(weight.dtype)
     if need is None or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
         return False
-    return bool(cpu_native.features() & need)
+    if not cpu_native.features() & need:
+        return False
+    if weight.dtype == torch.bfloat16 and not amx_in_use() and "amx_bf16" in cpu_features.cpu_flags():
+        # oneDNN runs AMX tiles (~2 TF/s on 2 cores) where this build's panels would not (~0.2)
+        return os.environ.get(GEMM_ENV, "").lower() == "avx512"
+    return True
+
+
+def amx_in_use() -> bool:
+    """Whether the bf16 panel kernel runs on AMX tiles: a library built with AMX, Linux granting the
+    tiles, and no BATCHGEN_GEMM=avx512 (which keeps the vdpbf16ps kernel, to compare). Sets it so."""
+    lib = cpu_native.load()
+    vector_only = os.environ.get(GEMM_ENV, "").lower() == "avx512"
+    return lib is not None and bool(lib.gemm_amx(0 if vector_only else 1))
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -221,13 +239,17 @@ def gate_up_panels(layer: nn.Linear) -> bool:
 
 def packing_summary(module: nn.Module) -> str:
     """Which GEMM each bias-free nn.Linear under module runs, counted: e.g. "panel GEMM 90 (SiLU
-    fused into 30), oneDNN 1, plain 0" (for the engine's log)."""
+    fused into 30), oneDNN 1, plain 0", "(AMX tiles, SiLU ...)" where bf16 panels run on AMX (for
+    the engine's log)."""
     layers = _bias_free_linears(module)
     panels = sum(is_panels(m.weight) for m in layers)
     fused = sum(gate_up_panels(m) for m in layers)
     onednn = sum(m.weight.is_mkldnn for m in layers)
     plain = len(layers) - panels - onednn
-    return f"panel GEMM {panels} (SiLU fused into {fused}), oneDNN {onednn}, plain {plain}"
+    bf16 = any(is_panels(m.weight) and m.weight.dtype == torch.bfloat16 for m in layers)
+    tiles = bf16 and amx_in_use()
+    return (f"panel GEMM {panels} ({'AMX tiles, ' if tiles else ''}SiLU fused into {fused}), oneDNN {onednn}, "
+            f"plain {plain}")
 
 
 PATHS = {  # the GEMM paths main() compares: how each packs a weight (None: it does not apply)

@@ -148,6 +148,7 @@ def load() -> ctypes.CDLL | None:
             signatures["store_kv_cache"] = (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64])
             signatures["argmax_rows_f32"] = (None, [ptr, i64, i64, i64, ptr, i32])
             signatures["cpu_kernels_features"] = (i32, [])
+            signatures["gemm_amx"] = (i32, [i32])
             for name, (restype, argtypes) in signatures.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes

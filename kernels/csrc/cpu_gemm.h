@@ -15,21 +15,24 @@
  * (returns 2) where it has no code: no AVX-512 (fp32), no AVX512-BF16 (bf16), an odd K in bf16. */
 #define GEMM_NR 64
 #define GEMM_MR 6
+/* threads share a product this big or with a weight of this many elements: at a few rows the
+ * weight's stream from DRAM is the work, and one core reads about half what two do */
+#define GEMM_PARALLEL_WEIGHT (1 << 18)
 
 #if HAVE_AVX512
 
 /* the tile's epilogue: acc (+ residual) into out's rows, the first ncols (<= 64) columns; with silu
  * (a gate/up panel: columns 0-31 gate, 32-63 up) silu(gate) * up into ncols (<= 32) columns */
-#define GEMM_STORE(STORE16, LOAD16)                                                                \
+#define GEMM_STORE(STORE16, LOAD16, ACC)                                                           \
     for (int r = 0; r < mr; r++) {                                                                   \
         for (int j = 0; j < (silu ? 2 : 4); j++) {                                                   \
             const int c0 = 16 * j;                                                                   \
             if (c0 >= ncols) break;                                                                  \
             const __mmask16 m = ncols - c0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (ncols - c0)) - 1u); \
-            __m512 v = acc[r][j];                                                                    \
+            __m512 v = ACC(r, j);                                                                    \
             if (silu) {                                                                              \
                 const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), v));                      \
-                v = _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), acc[r][j + 2]); \
+                v = _mm512_mul_ps(_mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), ACC(r, j + 2)); \
             } else if (res) {                                                                        \
                 v = _mm512_add_ps(v, LOAD16(m, res + r * rs + c0));                                  \
             }                                                                                        \
@@ -37,11 +40,19 @@
         }                                                                                            \
     }
 
-/* pf_n cache lines of the thread's next panel into L2 per step of k: a panel comes from DRAM (a
- * model's weights are far larger than L3), and without this its first row tile waited on it */
+/* The thread's next panel into L2 while it works on this one, pf_n lines per step of k (pf_n > 0)
+ * or one line every -pf_n steps: a panel comes from DRAM (a model's weights are far larger than
+ * L3), and without this its first row tile waited on it. Spread over all of the panel's row tiles,
+ * not crowded into the first few: one core reads ~15 GB/s from DRAM, and a burst asked more (fp32,
+ * 64 rows, 30 layers' projections in one process: 54 ms against 65 when the next panel came within
+ * four tiles, 69 without the prefetch). */
 #define GEMM_PREFETCH(pf, k, pf_n)                                                                    \
-    for (int q_ = 0; q_ < (pf_n); q_++) _mm_prefetch((pf) + ((k) * (pf_n) + q_) * 64, _MM_HINT_T1)
+    if ((pf_n) > 0)                                                                                  \
+        for (int q_ = 0; q_ < (pf_n); q_++) _mm_prefetch((pf) + ((k) * (pf_n) + q_) * 64, _MM_HINT_T1); \
+    else if ((k) % -(pf_n) == 0)                                                                     \
+        _mm_prefetch((pf) + ((k) / -(pf_n)) * 64, _MM_HINT_T1)
 
+#define ACC_REG(r, j) acc[r][j]
 #define LD16_F32(m, p) _mm512_maskz_loadu_ps((m), (p))
 #define ST16_F32(p, m, v) _mm512_mask_storeu_ps((p), (m), (v))
 #define LD16_BF16(m, p) bf16x16_to_ps(_mm256_maskz_loadu_epi16((m), (p)))
@@ -65,7 +76,7 @@ static inline __attribute__((always_inline)) void gemm_tile_f32(
             acc[r][3] = _mm512_fmadd_ps(a, b3, acc[r][3]);
         }
     }
-    GEMM_STORE(ST16_F32, LD16_F32)
+    GEMM_STORE(ST16_F32, LD16_F32, ACC_REG)
 }
 
 #if defined(__AVX512BF16__)
@@ -89,16 +100,16 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(
             acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
         }
     }
-    GEMM_STORE(ST16_BF16, LD16_BF16)
+    GEMM_STORE(ST16_BF16, LD16_BF16, ACC_REG)
 }
 #endif
 
 /* How many parts to split the rows into, so that panels * parts tasks share num_threads threads
- * evenly (at most 5% idle, else the evenest of 1, 2, 4, 8 parts), each part at least GEMM_MR rows. */
-static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads) {
+ * evenly (at most 5% idle, else the evenest of 1, 2, 4, 8 parts), each part at least min_rows rows. */
+static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads, int64_t min_rows) {
     int64_t best = 1;
     double best_idle = 1.0;
-    for (int64_t parts = 1; parts <= 8 && (parts == 1 || m / parts >= GEMM_MR); parts *= 2) {
+    for (int64_t parts = 1; parts <= 8 && (parts == 1 || m / parts >= min_rows); parts *= 2) {
         const int64_t tasks = panels * parts, rounds = (tasks + num_threads - 1) / num_threads;
         const double idle = 1.0 - (double)tasks / (double)(rounds * num_threads);
         if (idle < best_idle - 1e-9) best = parts, best_idle = idle;
@@ -112,9 +123,9 @@ static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads) {
  * nine of 6 and two of 5, not ten of 6 and one of 4). */
 #define GEMM_BLOCK(TILE, T, KSTEP, SILU, x, m, out, res)                                                                   \
     const int64_t panels = (n + (SILU ? GEMM_NR / 2 : GEMM_NR) - 1) / (SILU ? GEMM_NR / 2 : GEMM_NR); \
-    const int64_t parts = gemm_row_parts(m, panels, num_threads);                                    \
+    const int64_t parts = gemm_row_parts(m, panels, num_threads, GEMM_MR);                                    \
     const int64_t rows_per = (m + parts - 1) / parts, tasks = panels * parts;                        \
-    _Pragma("omp parallel for num_threads(num_threads) if (tasks > 1 && m * n * k >= PARALLEL_MIN_ELEMS * 16) schedule(static)") \
+    _Pragma("omp parallel for num_threads(num_threads) if (tasks > 1 && (m * n * k >= PARALLEL_MIN_ELEMS * 16 || n * k >= GEMM_PARALLEL_WEIGHT)) schedule(static)") \
     for (int64_t t = 0; t < tasks; t++) {                                                            \
         const int64_t p = t / parts, r0 = (t % parts) * rows_per;                                    \
         const int64_t r1 = r0 + rows_per < m ? r0 + rows_per : m;                                    \
@@ -124,15 +135,16 @@ static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads) {
         T *o = out + p * width;                                                                      \
         const T *rp = res ? res + p * width : NULL;                                                  \
         const int64_t tiles = (r1 - r0 + GEMM_MR - 1) / GEMM_MR;                                     \
-        /* the next panel's K * sizeof(T) lines, k / KSTEP steps a tile: 4 tiles' worth of lines */   \
-        const int pf_n = (int)((KSTEP * sizeof(T) + tiles - 1) / tiles);                             \
+        const int64_t lpk = KSTEP * sizeof(T), kk = k / KSTEP; /* lines a step of k */                 \
+        const int pf_n = tiles > lpk ? -(int)(tiles / lpk) : (int)((lpk + tiles - 1) / tiles);        \
+        const int64_t pf_tile = pf_n > 0 ? pf_n * kk : (kk - pf_n - 1) / -pf_n; /* lines a tile */  \
         const char *next = p + 1 < panels ? (const char *)(wp + GEMM_NR * k) : NULL;                 \
         for (int64_t i = 0, r = r0; i < tiles; i++) {                                                \
             const int h = (int)((r1 - r0) / tiles + (i < (r1 - r0) % tiles));                        \
             const T *xr = x + r * xs;                                                                \
             T *orow = o + r * os;                                                                    \
             const T *rrow = rp ? rp + r * rs : NULL;                                                 \
-            const char *pf = next && i * pf_n < (int64_t)(KSTEP * sizeof(T)) ? next + i * pf_n * 64 * (k / KSTEP) : NULL; \
+            const char *pf = next && i * pf_tile < lpk * kk ? next + i * pf_tile * 64 : NULL;      \
             switch (h) {                                                                             \
             case 6: TILE(6, xr, xs, wp, k / KSTEP, orow, os, ncols, rrow, rs, pf, pf_n, SILU); break;                \
             case 5: TILE(5, xr, xs, wp, k / KSTEP, orow, os, ncols, rrow, rs, pf, pf_n, SILU); break;                \
@@ -176,6 +188,157 @@ static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads) {
     (void)silu, (void)num_threads;                                                                   \
     return 2;
 
+
+/* bf16 on AMX (Sapphire Rapids and later): the same panels, read as tiles. A tile multiply
+ * (tdpbf16ps) takes C (16 x 16 fp32) += A (16 rows x 32 k of x) . B (32 k x 16 columns), B's rows
+ * being pairs of k side by side: exactly 16 pair-rows of 16 columns of a bf16 panel (64 bytes of a
+ * 256-byte pair-row), so one packing serves both kernels. A block of up to 32 rows takes a panel in
+ * two halves of 32 columns: 2 x 2 accumulator tiles, 2 tiles of x and 2 of the panel per 32 k (4
+ * loads for 4 multiplies), stored to a per-thread fp32 buffer of 32 x 64 whose epilogue is the
+ * vector kernel's (residual, or silu(gate) * up across the halves of a gate/up panel). Linux gives a
+ * process the tile registers only once it asks (arch_prctl, 5.16+); without them, or with K not a
+ * multiple of 32, bf16 takes the vdpbf16ps kernel above. */
+#if HAVE_AVX512 && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+static int amx_state = -1; /* -1 not asked yet, 0 refused (or switched off), 1 in use */
+
+static int amx_permitted(void) {
+    if (amx_state < 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+        amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_state;
+}
+
+/* tiles 0-3 accumulators (row block 0: 0, 1; row block 1: 2, 3), 4-5 x, 6-7 the panel */
+static void amx_configure(int rows0, int rows1) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = (uint8_t)rows[t];
+        c.colsb[t] = rows[t] ? 64 : 0;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* columns [32 h, 32 h + 32) of a panel for 16 (two = 0) or 32 (two = 1) rows into buf (rows 64 floats
+ * apart); pf_n lines of the next panel (pf) into L2 per 32 k */
+static inline __attribute__((always_inline)) void amx_half(
+    const uint16_t *x, int64_t xs, const uint16_t *wp, int64_t steps, float *buf, int h, const int two,
+    const char *pf, int pf_n) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const uint16_t *b = wp + 2 * 32 * h; /* 32 h columns in, pairs */
+    for (int64_t s = 0; s < steps; s++, b += 16 * 2 * GEMM_NR, x += 32) {
+        if (pf) GEMM_PREFETCH(pf, s, pf_n);
+        _tile_loadd(6, b, 4 * GEMM_NR);
+        _tile_loadd(7, b + 32, 4 * GEMM_NR);
+        _tile_loadd(4, x, xs * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, x + 16 * xs, xs * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, buf + 32 * h, 4 * GEMM_NR);
+    _tile_stored(1, buf + 32 * h + 16, 4 * GEMM_NR);
+    if (two) {
+        _tile_stored(2, buf + 16 * GEMM_NR + 32 * h, 4 * GEMM_NR);
+        _tile_stored(3, buf + 16 * GEMM_NR + 32 * h + 16, 4 * GEMM_NR);
+    }
+}
+
+#define ACC_BUF(r, j) _mm512_loadu_ps(buf + (r) * GEMM_NR + 16 * (j))
+
+static void amx_epilogue(const float *buf, int mr, uint16_t *out, int64_t os, int ncols,
+                         const uint16_t *res, int64_t rs, const int silu) {
+    GEMM_STORE(ST16_BF16, LD16_BF16, ACC_BUF)
+}
+
+#define AMX_ROWS 32
+#define AMX_ROW_BLOCK 480 /* rows a pass over the panels: x's block (480 x 576 bf16, 540 KiB) stays in L2 */
+
+static int gemm_bf16_amx(const uint16_t *x, int64_t xs, int64_t m, int64_t k, const uint16_t *w,
+                         int64_t n, uint16_t *out, int64_t os, const uint16_t *res, int64_t rs, int silu,
+                         int num_threads) {
+    const int width = silu ? GEMM_NR / 2 : GEMM_NR; /* output columns a panel */
+    const int64_t panels = (n + width - 1) / width, steps = k / 32;
+    for (int64_t b0 = 0; b0 < m; b0 += AMX_ROW_BLOCK) {
+        const int64_t mb = m - b0 < AMX_ROW_BLOCK ? m - b0 : AMX_ROW_BLOCK;
+        const int64_t parts = gemm_row_parts(mb, panels, num_threads, 16);
+        const int64_t rows_per = (mb + parts - 1) / parts, tasks = panels * parts;
+#pragma omp parallel num_threads(num_threads) if (tasks > 1 && (mb * n * k >= PARALLEL_MIN_ELEMS * 64 || n * k >= GEMM_PARALLEL_WEIGHT))
+        {
+            float buf[AMX_ROWS * GEMM_NR] __attribute__((aligned(64)));
+            int cfg0 = -1, cfg1 = -1;
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < tasks; t++) {
+                const int64_t p = t / parts, r0 = b0 + (t % parts) * rows_per;
+                const int64_t r1 = r0 + rows_per < b0 + mb ? r0 + rows_per : b0 + mb;
+                if (r0 >= r1) continue;
+                const uint16_t *wp = w + p * GEMM_NR * k;
+                const int ncols = (int)(n - p * width < width ? n - p * width : width);
+                const int64_t blocks = (r1 - r0 + AMX_ROWS - 1) / AMX_ROWS;
+                /* the next panel's 2 K * 64 bytes = 2 K lines, spread over this task's 2 * blocks * steps steps */
+                const int pf_n = (int)((2 * k + 2 * blocks * steps - 1) / (2 * blocks * steps));
+                const char *next = p + 1 < panels ? (const char *)(wp + GEMM_NR * k) : NULL;
+                for (int64_t i = 0, r = r0; r < r1; i++, r += AMX_ROWS) {
+                    const int mr = (int)(r1 - r < AMX_ROWS ? r1 - r : AMX_ROWS);
+                    const int rows0 = mr < 16 ? mr : 16, rows1 = mr - rows0;
+                    if (rows0 != cfg0 || rows1 != cfg1) {
+                        amx_configure(rows0, rows1);
+                        cfg0 = rows0, cfg1 = rows1;
+                    }
+                    for (int h = 0; h < 2; h++) {
+                        const int64_t done = (2 * i + h) * steps * pf_n; /* lines prefetched before */
+                        const char *pf = next && done < 2 * k ? next + done * 64 : NULL;
+                        if (h * 32 >= ncols && !silu) break; /* the panel's last columns are past n */
+                        if (rows1)
+                            amx_half(x + r * xs, xs, wp, steps, buf, h, 1, pf, pf_n);
+                        else
+                            amx_half(x + r * xs, xs, wp, steps, buf, h, 0, pf, pf_n);
+                    }
+                    amx_epilogue(buf, mr, out + r * os + p * width, os, ncols,
+                                 res ? res + r * rs + p * width : NULL, rs, silu);
+                }
+            }
+            if (cfg0 >= 0) _tile_release();
+        }
+    }
+    return 0;
+}
+#else
+#define HAVE_AMX 0
+#endif
+
+/* Whether bf16 runs on AMX tiles: enable 1 (asks Linux for the tiles once) or 0 switches, -1 only
+ * asks; returns 1 when it does (built with AMX, tiles granted, switched on). */
+int gemm_amx(int enable) {
+#if HAVE_AMX
+    if (enable == 0) amx_state = 0;
+    else if (enable == 1 && amx_state == 0) amx_state = -1;
+    return enable == 0 ? 0 : amx_permitted();
+#else
+    (void)enable;
+    return 0;
+#endif
+}
+
 int gemm_f32(const float *x, int64_t xs, int64_t m, int64_t k, const float *w, int64_t n, float *out,
              int64_t os, const float *res, int64_t rs, int silu, int num_threads) {
 #if HAVE_AVX512
@@ -189,6 +352,10 @@ int gemm_bf16(const uint16_t *x, int64_t xs, int64_t m, int64_t k, const uint16_
               uint16_t *out, int64_t os, const uint16_t *res, int64_t rs, int silu, int num_threads) {
 #if HAVE_AVX512 && defined(__AVX512BF16__)
     if (k % 2) return 2;
+#if HAVE_AMX
+    if (k % 32 == 0 && amx_permitted())
+        return gemm_bf16_amx(x, xs, m, k, w, n, out, os, res, rs, silu, num_threads);
+#endif
     GEMM_RUN(gemm_tile_bf16, uint16_t, 2)
 #else
     GEMM_DECLINE

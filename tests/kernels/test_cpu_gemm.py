@@ -3,6 +3,7 @@ oneDNN's, packed in place, and the model's use of them through kernels.ops."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 
 import pytest
@@ -149,6 +150,14 @@ def test_packing_summary_counts_each_gemm_path():
     assert cpu_gemm.packing_summary(model) == "panel GEMM 8 (SiLU fused into 2), oneDNN 1, plain 0"
 
 
+def test_packing_summary_says_when_bf16_panels_run_on_amx(monkeypatch):
+    _skip_without_panels(torch.bfloat16)
+    monkeypatch.setattr(cpu_gemm, "amx_in_use", lambda: True)
+    model = Transformer(PRESETS["tiny"]).eval().to(torch.bfloat16)
+    assert model.pack_weights()
+    assert cpu_gemm.packing_summary(model).startswith("panel GEMM 8 (AMX tiles, SiLU fused into 2)")
+
+
 def test_panel_kernel_keeps_nan_and_inf_in_their_rows():
     _skip_without_panels(torch.float32)
     w = torch.randn(64, 32)
@@ -179,6 +188,7 @@ BOTH = cpu_native.FEATURE_AVX512 | cpu_native.FEATURE_DP_BF16
 def test_panels_take_only_what_the_kernel_has_code_for(monkeypatch):
     """N not a multiple of 64, an odd K in bf16, fp16, or BATCHGEN_GEMM=onednn: oneDNN (or plain)."""
     monkeypatch.setattr(cpu_native, "features", lambda: BOTH)
+    monkeypatch.setattr(cpu_gemm.cpu_features, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     assert cpu_gemm.panels_apply(torch.randn(128, 48))
     assert cpu_gemm.panels_apply(torch.randn(128, 48).bfloat16())
     assert not cpu_gemm.panels_apply(torch.randn(100, 48))  # N % 64
@@ -193,6 +203,84 @@ def test_panels_take_only_what_the_kernel_has_code_for(monkeypatch):
     monkeypatch.setattr(cpu_native, "features", lambda: BOTH)
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "onednn")
     assert not cpu_gemm.panels_apply(torch.randn(128, 48))
+
+
+def test_bf16_on_an_amx_cpu_takes_panels_only_where_they_run_on_amx(monkeypatch):
+    """oneDNN runs AMX tiles itself: where this build's panel kernel cannot (no AMX code, Linux
+    refused the tiles), bf16 stays with oneDNN unless BATCHGEN_GEMM=avx512 asks for vdpbf16ps."""
+    w = torch.randn(128, 64).bfloat16()
+    monkeypatch.setattr(cpu_native, "features", lambda: BOTH)
+    monkeypatch.setattr(cpu_gemm.cpu_features, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    monkeypatch.setattr(cpu_gemm, "amx_in_use", lambda: False)
+    assert not cpu_gemm.panels_apply(w)
+    assert cpu_gemm.panels_apply(w.float())  # AMX has no fp32: the panels' FMA kernel keeps it
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "avx512")
+    assert cpu_gemm.panels_apply(w)
+    monkeypatch.delenv(cpu_gemm.GEMM_ENV)
+    monkeypatch.setattr(cpu_gemm, "amx_in_use", lambda: True)
+    assert cpu_gemm.panels_apply(w)
+
+
+def _skip_without_amx():
+    _skip_without_panels(torch.bfloat16)
+    if not cpu_gemm.amx_in_use():
+        pytest.skip("no AMX tiles here (the CPU lacks amx_bf16, the compiler AMX code, or Linux refused "
+                    "the tiles): bf16 panels run vdpbf16ps, which the tests above cover")
+
+
+@pytest.fixture
+def vdpbf16ps(monkeypatch):
+    """A function that runs its argument with the AMX tiles switched off (BATCHGEN_GEMM=avx512)."""
+    def run(fn):
+        monkeypatch.setenv(cpu_gemm.GEMM_ENV, "avx512")
+        try:
+            assert not cpu_gemm.amx_in_use()
+            return fn()
+        finally:
+            monkeypatch.delenv(cpu_gemm.GEMM_ENV)
+            assert cpu_gemm.amx_in_use()
+    yield run
+    cpu_gemm.amx_in_use()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_tiles_match_the_exact_product_and_the_vector_kernel(threads, vdpbf16ps):
+    """Rows around the 16-row tile and the 32-row block (1, 15, 16, 17, 31, 33, 64) and past the
+    480-row pass (481), K a multiple of 32 (the tiles) or not (then vdpbf16ps), strided rows of x, a
+    partial last panel, the residual epilogue, gate/up pairs: AMX against float64 and vdpbf16ps."""
+    _skip_without_amx()
+    gen = torch.Generator().manual_seed(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in (96, 80):
+            w = (torch.randn(192, k, generator=gen) * 0.1).bfloat16()
+            panels = cpu_gemm.pack_panels(w)
+            pairs = cpu_gemm.pack_gate_up(w)
+            for rows in (1, 15, 16, 17, 31, 33, 64, 481):
+                wide = torch.randn(rows, k + 32, generator=gen).bfloat16()
+                x = wide[:, 16:16 + k]
+                res = torch.randn(rows, 150, generator=gen).bfloat16()
+                got = cpu_gemm.linear_panels(x, panels, residual=res, n=150)
+                torch.testing.assert_close(got, _exact(x, w[:150], res), atol=2e-2, rtol=8e-3)
+                vec = vdpbf16ps(functools.partial(cpu_gemm.linear_panels, x, panels, residual=res, n=150))
+                torch.testing.assert_close(got, vec, atol=2e-2, rtol=8e-3)
+                fused = cpu_gemm.linear_panels(x, pairs, silu=True)
+                gate, up = x.double() @ w[:96].double().T, x.double() @ w[96:].double().T
+                torch.testing.assert_close(fused, (F.silu(gate) * up).bfloat16(), atol=1e-2, rtol=1e-2)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_amx_keeps_nan_and_inf_in_their_rows():
+    _skip_without_amx()
+    w = torch.randn(64, 64).bfloat16()
+    x = torch.randn(20, 64).bfloat16()
+    x[2, 5], x[17, 0] = float("nan"), float("inf")
+    got = cpu_gemm.linear_panels(x, cpu_gemm.pack_panels(w))
+    rest = [r for r in range(20) if r not in (2, 17)]
+    assert got[2].isnan().all() and not got[rest].isnan().any() and not torch.isfinite(got[17]).any()
+    torch.testing.assert_close(got[rest], F.linear(x, w)[rest], atol=2e-2, rtol=2e-2)
 
 
 def test_packing_is_off_where_it_does_not_apply(monkeypatch):
