@@ -247,9 +247,8 @@ def packing_summary(module: nn.Module) -> str:
     onednn = sum(m.weight.is_mkldnn for m in layers)
     plain = len(layers) - panels - onednn
     bf16 = any(is_panels(m.weight) and m.weight.dtype == torch.bfloat16 for m in layers)
-    tiles = bf16 and amx_in_use()
-    return (f"panel GEMM {panels} ({'AMX tiles, ' if tiles else ''}SiLU fused into {fused}), oneDNN {onednn}, "
-            f"plain {plain}")
+    tiles = "AMX tiles, " if bf16 and amx_in_use() else ""
+    return f"panel GEMM {panels} ({tiles}SiLU fused into {fused}), oneDNN {onednn}, plain {plain}"
 
 
 PATHS = {  # the GEMM paths main() compares: how each packs a weight (None: it does not apply)
