@@ -14,8 +14,8 @@ of 64 (bf16: K even); oneDNN the rest of fp32 and bf16 where it packs that dtype
 (Xeon Sapphire Rapids and later) bf16 panels run on its tiles where K is a multiple of 32 (2
 Xeon cores: 1.5 against oneDNN's 1.2 TF/s at 64 x 576 x 960, 2.1 against 2.0 at 128 x 576 x 3072,
 where vdpbf16ps gave ~0.2; 30 layers' projections streamed from DRAM at 64 rows 20.6 against 22.0
-ms); where this build cannot use them, bf16 stays with oneDNN, which can. `BATCHGEN_GEMM=avx512`
-keeps the vdpbf16ps kernel (read when weights are packed).
+ms); where this build cannot use them, bf16 stays with oneDNN, which can. `BATCHGEN_AMX=0` keeps
+the vdpbf16ps kernel.
 
 Packing is in place: `pack_linears` swaps each `nn.Linear`'s weight for its packed tensor and frees
 the plain one, so no second copy stays in memory; `unpack_linears` turns them back. `linear` reads
@@ -35,7 +35,7 @@ from torch import nn
 from kernels import cpu_features, cpu_native
 
 ENV_SWITCH = "BATCHGEN_ONEDNN"
-GEMM_ENV = "BATCHGEN_GEMM"  # "onednn": oneDNN even where the panel kernel applies; "avx512": no AMX tiles
+GEMM_ENV = "BATCHGEN_GEMM"  # "onednn": oneDNN even where the panel kernel applies
 PANEL = 64  # output columns a panel (GEMM_NR in csrc/cpu_gemm.h)
 PACK_BATCH_HINT = 128  # oneDNN picks its blocking for this many rows; measured good from M=8 to 2048
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -81,16 +81,13 @@ def panels_apply(weight: torch.Tensor) -> bool:
         return False
     if weight.dtype == torch.bfloat16 and not amx_in_use() and "amx_bf16" in cpu_features.cpu_flags():
         # oneDNN runs AMX tiles (~2 TF/s on 2 cores) where this build's panels would not (~0.2)
-        return os.environ.get(GEMM_ENV, "").lower() == "avx512"
+        return os.environ.get(cpu_native.AMX_ENV) == "0"  # vdpbf16ps asked for, to compare
     return True
 
 
 def amx_in_use() -> bool:
-    """Whether the bf16 panel kernel runs on AMX tiles: a library built with AMX, Linux granting the
-    tiles, and no BATCHGEN_GEMM=avx512 (which keeps the vdpbf16ps kernel, to compare). Sets it so."""
-    lib = cpu_native.load()
-    vector_only = os.environ.get(GEMM_ENV, "").lower() == "avx512"
-    return lib is not None and bool(lib.gemm_amx(0 if vector_only else 1))
+    """Whether the bf16 panel kernel runs on AMX tiles (cpu_native.amx)."""
+    return cpu_native.amx()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

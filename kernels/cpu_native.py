@@ -148,7 +148,7 @@ def load() -> ctypes.CDLL | None:
             signatures["store_kv_cache"] = (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64])
             signatures["argmax_rows_f32"] = (None, [ptr, i64, i64, i64, ptr, i32])
             signatures["cpu_kernels_features"] = (i32, [])
-            signatures["gemm_amx"] = (i32, [i32])
+            signatures["batchgen_amx"] = (i32, [i32])
             for name, (restype, argtypes) in signatures.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes
@@ -159,6 +159,17 @@ def load() -> ctypes.CDLL | None:
 
 
 FEATURE_AVX512, FEATURE_AVX2, FEATURE_DP_BF16 = 1, 2, 4  # cpu_kernels_features() bits
+
+
+AMX_ENV = "BATCHGEN_AMX"  # "0": the vector kernels even where AMX tiles would serve (to compare)
+
+
+def amx() -> bool:
+    """Whether the bf16 GEMM runs on AMX tiles: a library built with AMX (the
+    compiler knows the CPU's amx_bf16), Linux granting the tiles, and no BATCHGEN_AMX=0 (read on each
+    call, which switches the library to match)."""
+    lib = load()
+    return lib is not None and bool(lib.batchgen_amx(0 if os.environ.get(AMX_ENV, "1") == "0" else 1))
 
 
 def features() -> int:

@@ -195,39 +195,14 @@ static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads, int64_
  * 256-byte pair-row), so one packing serves both kernels. A block of up to 32 rows takes a panel in
  * two halves of 32 columns: 2 x 2 accumulator tiles, 2 tiles of x and 2 of the panel per 32 k (4
  * loads for 4 multiplies), stored to a per-thread fp32 buffer of 32 x 64 whose epilogue is the
- * vector kernel's (residual, or silu(gate) * up across the halves of a gate/up panel). Linux gives a
- * process the tile registers only once it asks (arch_prctl, 5.16+); without them, or with K not a
- * multiple of 32, bf16 takes the vdpbf16ps kernel above. */
-#if HAVE_AVX512 && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
-static int amx_state = -1; /* -1 not asked yet, 0 refused (or switched off), 1 in use */
-
-static int amx_permitted(void) {
-    if (amx_state < 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
-        amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return amx_state;
-}
-
+ * vector kernel's (residual, or silu(gate) * up across the halves of a gate/up panel). Without the
+ * tiles (cpu_kernels.c: amx_on), or with K not a multiple of 32, bf16 takes the vdpbf16ps kernel. */
+#if HAVE_AMX
 /* tiles 0-3 accumulators (row block 0: 0, 1; row block 1: 2, 3), 4-5 x, 6-7 the panel */
 static void amx_configure(int rows0, int rows1) {
-    amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
     const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = (uint8_t)rows[t];
-        c.colsb[t] = rows[t] ? 64 : 0;
-    }
-    _tile_loadconfig(&c);
+    const int colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_shapes(rows, colsb);
 }
 
 /* columns [32 h, 32 h + 32) of a panel for 16 (two = 0) or 32 (two = 1) rows into buf (rows 64 floats
@@ -322,22 +297,7 @@ static int gemm_bf16_amx(const uint16_t *x, int64_t xs, int64_t m, int64_t k, co
     }
     return 0;
 }
-#else
-#define HAVE_AMX 0
-#endif
-
-/* Whether bf16 runs on AMX tiles: enable 1 (asks Linux for the tiles once) or 0 switches, -1 only
- * asks; returns 1 when it does (built with AMX, tiles granted, switched on). */
-int gemm_amx(int enable) {
-#if HAVE_AMX
-    if (enable == 0) amx_state = 0;
-    else if (enable == 1 && amx_state == 0) amx_state = -1;
-    return enable == 0 ? 0 : amx_permitted();
-#else
-    (void)enable;
-    return 0;
-#endif
-}
+#endif /* HAVE_AMX */
 
 int gemm_f32(const float *x, int64_t xs, int64_t m, int64_t k, const float *w, int64_t n, float *out,
              int64_t os, const float *res, int64_t rs, int silu, int num_threads) {
@@ -353,7 +313,7 @@ int gemm_bf16(const uint16_t *x, int64_t xs, int64_t m, int64_t k, const uint16_
 #if HAVE_AVX512 && defined(__AVX512BF16__)
     if (k % 2) return 2;
 #if HAVE_AMX
-    if (k % 32 == 0 && amx_permitted())
+    if (k % 32 == 0 && amx_on())
         return gemm_bf16_amx(x, xs, m, k, w, n, out, os, res, rs, silu, num_threads);
 #endif
     GEMM_RUN(gemm_tile_bf16, uint16_t, 2)

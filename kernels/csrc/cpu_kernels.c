@@ -248,6 +248,57 @@ static inline void prefetch_bytes_l2(const void *base, int64_t n) {
 #define STREAM_LEAD_BYTES (384 << 10) /* how far a thread's L2 stream starts ahead (192-384 KiB best) */
 #endif
 
+/* AMX (Xeon Sapphire Rapids and later): eight tile registers of up to 16 rows x 64 bytes and a
+ * multiply (tdpbf16ps) of bf16 tiles into fp32 ones. Linux gives a process the tiles only once it
+ * asks (arch_prctl, 5.16+); amx_on() asks once, and batchgen_amx() switches their use off and on
+ * (BATCHGEN_AMX=0, kernels/cpu_native.py). The bf16 GEMM (cpu_gemm.h) uses them; without, its
+ * vector code runs. (Decode attention on tiles was tried: on 2 Xeon cores it reads its keys and
+ * values at ~13 GB/s either way, bound by memory, not arithmetic, so it stays vector code.) */
+#if HAVE_AVX512 && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_state = -1; /* -1 not asked yet, 0 refused or switched off, 1 in use */
+
+static int amx_on(void) {
+    if (amx_state < 0) /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+        amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return amx_state;
+}
+
+/* The calling thread's tile shapes: rows and bytes a row of tiles 0-7 (0 rows: unused). */
+static void amx_shapes(const int rows[8], const int colsb[8]) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = (uint8_t)rows[t];
+        c.colsb[t] = (uint16_t)(rows[t] ? colsb[t] : 0);
+    }
+    _tile_loadconfig(&c);
+}
+#else
+#define HAVE_AMX 0
+#endif
+
+/* Whether the kernels use AMX tiles: enable 1 (asking Linux for them once) or 0 switches, -1 only
+ * asks; returns 1 when they do (built with AMX, tiles granted, switched on). */
+int batchgen_amx(int enable) {
+#if HAVE_AMX
+    if (enable == 0) amx_state = 0;
+    else if (enable == 1 && amx_state == 0) amx_state = -1;
+    return enable == 0 ? 0 : amx_on();
+#else
+    (void)enable;
+    return 0;
+#endif
+}
+
 /* Thread t of n takes work items [first_item_of(t), first_item_of(t + 1)): contiguous runs of about
  * equal cost, an item (s, h) costing its context plus a fixed part. Contiguous, so that a thread
  * knows its next item; balanced, since contexts differ (a static schedule of counts would not be). */

@@ -207,16 +207,16 @@ def test_panels_take_only_what_the_kernel_has_code_for(monkeypatch):
 
 def test_bf16_on_an_amx_cpu_takes_panels_only_where_they_run_on_amx(monkeypatch):
     """oneDNN runs AMX tiles itself: where this build's panel kernel cannot (no AMX code, Linux
-    refused the tiles), bf16 stays with oneDNN unless BATCHGEN_GEMM=avx512 asks for vdpbf16ps."""
+    refused the tiles), bf16 stays with oneDNN unless BATCHGEN_AMX=0 asks for vdpbf16ps."""
     w = torch.randn(128, 64).bfloat16()
     monkeypatch.setattr(cpu_native, "features", lambda: BOTH)
     monkeypatch.setattr(cpu_gemm.cpu_features, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
     monkeypatch.setattr(cpu_gemm, "amx_in_use", lambda: False)
     assert not cpu_gemm.panels_apply(w)
     assert cpu_gemm.panels_apply(w.float())  # AMX has no fp32: the panels' FMA kernel keeps it
-    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "avx512")
+    monkeypatch.setenv(cpu_native.AMX_ENV, "0")
     assert cpu_gemm.panels_apply(w)
-    monkeypatch.delenv(cpu_gemm.GEMM_ENV)
+    monkeypatch.delenv(cpu_native.AMX_ENV)
     monkeypatch.setattr(cpu_gemm, "amx_in_use", lambda: True)
     assert cpu_gemm.panels_apply(w)
 
@@ -230,14 +230,14 @@ def _skip_without_amx():
 
 @pytest.fixture
 def vdpbf16ps(monkeypatch):
-    """A function that runs its argument with the AMX tiles switched off (BATCHGEN_GEMM=avx512)."""
+    """A function that runs its argument with the AMX tiles switched off (BATCHGEN_AMX=0)."""
     def run(fn):
-        monkeypatch.setenv(cpu_gemm.GEMM_ENV, "avx512")
+        monkeypatch.setenv(cpu_native.AMX_ENV, "0")
         try:
             assert not cpu_gemm.amx_in_use()
             return fn()
         finally:
-            monkeypatch.delenv(cpu_gemm.GEMM_ENV)
+            monkeypatch.delenv(cpu_native.AMX_ENV)
             assert cpu_gemm.amx_in_use()
     yield run
     cpu_gemm.amx_in_use()
