@@ -175,7 +175,7 @@ class Transformer(nn.Module):
         """(S, dim) -> (S, vocab) in float32."""
         head = self.lm_head or self.tied_head
         if head is not None:
-            return ops.linear(hidden, head).float()
+            return ops.linear_logits(hidden, head)
         return nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
     @torch.no_grad()

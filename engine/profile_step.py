@@ -42,8 +42,8 @@ def _decode_steps(engine, steps: int) -> tuple[float, float]:
 
 
 # the kernels.ops entry points the model calls, labelled in the profile
-LABELLED_OPS = ("linear", "linear_silu_and_mul", "rms_norm", "fused_add_rms_norm", "rotary_embedding",
-                "store_kv_cache", "paged_attention", "silu_and_mul")
+LABELLED_OPS = ("linear", "linear_logits", "linear_silu_and_mul", "rms_norm", "fused_add_rms_norm",
+                "rotary_embedding", "store_kv_cache", "paged_attention", "silu_and_mul")
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ GEMM_ENV = "BATCHGEN_GEMM"  # "onednn": oneDNN even where the panel kernel appli
 PANEL = 64  # output columns a panel (GEMM_NR in csrc/cpu_gemm.h)
 PACK_BATCH_HINT = 128  # oneDNN picks its blocking for this many rows; measured good from M=8 to 2048
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+EPI_SILU, EPI_F32_OUT = 1, 2  # the panel kernel's epilogues (GEMM_SILU, GEMM_F32_OUT in csrc/cpu_gemm.h)
 
 
 def enabled() -> bool:
@@ -169,28 +170,43 @@ def linear_native(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 def linear_panels(x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor | None = None,
-                  n: int | None = None, silu: bool = False) -> torch.Tensor:
+                  n: int | None = None, silu: bool = False,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x (T, K) @ W.T (+ residual (T, N)) -> (T, N) in x's dtype, W packed by pack_panels; `n` fewer
     columns than the panels hold (the kernel masks the last panel). x's rows may be strided. With
-    silu, W packed by pack_gate_up: silu(x @ gate.T) * (x @ up.T), (T, I), in one pass."""
+    silu, W packed by pack_gate_up: silu(x @ gate.T) * (x @ up.T), (T, I), in one pass. out_dtype
+    float32 for bf16 x: the fp32 accumulators written as they are (the logits)."""
     t, k = x.shape
     n = panels.shape[0] * (PANEL // 2 if silu else PANEL) if n is None else n
     ksize = panels.shape[1] * (2 if panels.dim() == 4 else 1)
     if k != ksize or x.dtype != panels.dtype or x.stride(-1) != 1:
         raise ValueError(f"linear_panels: x {tuple(x.shape)} {x.dtype} does not fit panels of K={ksize} "
                          f"{panels.dtype} (rows of x must be contiguous)")
-    out = torch.empty(t, n, dtype=x.dtype)
+    f32_out = out_dtype is not None and out_dtype != x.dtype
+    if f32_out and (out_dtype != torch.float32 or silu or residual is not None):
+        raise ValueError(f"linear_panels: out_dtype {out_dtype} for {x.dtype} x: only float32 from bf16, "
+                         "without silu or a residual")
+    out = torch.empty(t, n, dtype=out_dtype if f32_out else x.dtype)
     if residual is not None and (silu or residual.shape != out.shape or residual.dtype != x.dtype
                                  or residual.stride(-1) != 1):
         raise ValueError(f"linear_panels: residual {tuple(residual.shape)} {residual.dtype} is not "
                          f"({t}, {n}) {x.dtype} with contiguous rows")
     fn = cpu_native.kernel("gemm", x.dtype)
+    epilogue = EPI_F32_OUT if f32_out else EPI_SILU if silu else 0
     rc = fn(x.data_ptr(), x.stride(0), t, k, panels.data_ptr(), n, out.data_ptr(), n,
             None if residual is None else residual.data_ptr(), 0 if residual is None else residual.stride(0),
-            int(silu), torch.get_num_threads())
+            epilogue, torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"the panel GEMM has no code for {x.dtype} on this CPU (declined, code {rc})")
     return out
+
+
+def linear_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T as float32 (the logits): a bf16 panel GEMM writes its fp32 accumulators directly
+    (no bf16 rounding, no second pass over the output); any other form computes, then converts."""
+    if x.dtype == torch.bfloat16 and is_panels(weight) and weight.dtype == torch.bfloat16:
+        return linear_panels(x, weight, out_dtype=torch.float32)
+    return linear(x, weight).float()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

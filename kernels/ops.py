@@ -53,6 +53,7 @@ __all__ = [
     "fused_add_rms_norm",
     "get_backend",
     "linear",
+    "linear_logits",
     "linear_silu_and_mul",
     "make_cos_sin_cache",
     "pack_linears",
@@ -251,6 +252,15 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     if cpu_gemm.is_packed(weight):
         return KERNELS["linear"]["cpu-native"](x, weight)
     return KERNELS["linear"]["torch"](x, weight)
+
+
+def linear_logits(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """linear(x, layer) as float32 (the lm_head): a bf16 panel GEMM writes its fp32 accumulators
+    directly, unrounded and without a second pass over (T, vocab); other forms convert after."""
+    weight = layer.weight
+    if cpu_gemm.is_packed(weight):
+        return cpu_gemm.linear_f32(x, weight)
+    return KERNELS["linear"]["torch"](x, weight).float()
 
 
 def linear_silu_and_mul(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:

@@ -15,6 +15,8 @@
  * (returns 2) where it has no code: no AVX-512 (fp32), no AVX512-BF16 (bf16), an odd K in bf16. */
 #define GEMM_NR 64
 #define GEMM_MR 6
+#define GEMM_SILU 1    /* epilogue: silu(gate) * up of a gate/up panel pair */
+#define GEMM_F32_OUT 2 /* epilogue: a bf16 product written as fp32 (the logits) */
 /* threads share a product this big or with a weight of this many elements: at a few rows the
  * weight's stream from DRAM is the work, and one core reads about half what two do */
 #define GEMM_PARALLEL_WEIGHT (1 << 18)
@@ -59,8 +61,10 @@
 #define ST16_BF16(p, m, v) _mm256_mask_storeu_epi16((p), (m), ps_to_bf16x16(v))
 
 static inline __attribute__((always_inline)) void gemm_tile_f32(
-    const int mr, const float *x, int64_t xs, const float *w, int64_t k_len, float *out, int64_t os,
-    int ncols, const float *res, int64_t rs, const char *pf, int pf_n, const int silu) {
+    const int mr, const float *x, int64_t xs, const float *w, int64_t k_len, void *outv, int64_t os,
+    int ncols, const float *res, int64_t rs, const char *pf, int pf_n, const int epi) {
+    const int silu = epi == GEMM_SILU;
+    float *const out = (float *)outv;
     __m512 acc[GEMM_MR][4];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
@@ -81,8 +85,9 @@ static inline __attribute__((always_inline)) void gemm_tile_f32(
 
 #if defined(__AVX512BF16__)
 static inline __attribute__((always_inline)) void gemm_tile_bf16(
-    const int mr, const uint16_t *x, int64_t xs, const uint16_t *w, int64_t pairs, uint16_t *out,
-    int64_t os, int ncols, const uint16_t *res, int64_t rs, const char *pf, int pf_n, const int silu) {
+    const int mr, const uint16_t *x, int64_t xs, const uint16_t *w, int64_t pairs, void *outv,
+    int64_t os, int ncols, const uint16_t *res, int64_t rs, const char *pf, int pf_n, const int epi) {
+    const int silu = epi == GEMM_SILU;
     __m512 acc[GEMM_MR][4];
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm512_setzero_ps();
@@ -100,7 +105,13 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(
             acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
         }
     }
-    GEMM_STORE(ST16_BF16, LD16_BF16, ACC_REG)
+    if (epi == GEMM_F32_OUT) {
+        float *const out = (float *)outv;
+        GEMM_STORE(ST16_F32, LD16_BF16, ACC_REG)
+    } else {
+        uint16_t *const out = (uint16_t *)outv;
+        GEMM_STORE(ST16_BF16, LD16_BF16, ACC_REG)
+    }
 }
 #endif
 
@@ -122,7 +133,9 @@ static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads, int64_
  * thread a contiguous run of them, so its panels are its own. A part's rows go in tiles of near-equal height (64 rows:
  * nine of 6 and two of 5, not ten of 6 and one of 4). */
 #define GEMM_BLOCK(TILE, T, KSTEP, SILU, x, m, out, res)                                                                   \
-    const int64_t panels = (n + (SILU ? GEMM_NR / 2 : GEMM_NR) - 1) / (SILU ? GEMM_NR / 2 : GEMM_NR); \
+    const int width = SILU == GEMM_SILU ? GEMM_NR / 2 : GEMM_NR; /* output columns a panel */        \
+    const int64_t osz = SILU == GEMM_F32_OUT ? 4 : (int64_t)sizeof(T); /* bytes an output */         \
+    const int64_t panels = (n + width - 1) / width;                                                  \
     const int64_t parts = gemm_row_parts(m, panels, num_threads, GEMM_MR);                                    \
     const int64_t rows_per = (m + parts - 1) / parts, tasks = panels * parts;                        \
     _Pragma("omp parallel for num_threads(num_threads) if (tasks > 1 && (m * n * k >= PARALLEL_MIN_ELEMS * 16 || n * k >= GEMM_PARALLEL_WEIGHT)) schedule(static)") \
@@ -130,9 +143,8 @@ static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads, int64_
         const int64_t p = t / parts, r0 = (t % parts) * rows_per;                                    \
         const int64_t r1 = r0 + rows_per < m ? r0 + rows_per : m;                                    \
         const T *wp = w + p * GEMM_NR * k;                                                           \
-        const int width = SILU ? GEMM_NR / 2 : GEMM_NR; /* output columns a panel */                  \
         const int ncols = (int)(n - p * width < width ? n - p * width : width);                      \
-        T *o = out + p * width;                                                                      \
+        char *o = (char *)out + p * width * osz;                                                     \
         const T *rp = res ? res + p * width : NULL;                                                  \
         const int64_t tiles = (r1 - r0 + GEMM_MR - 1) / GEMM_MR;                                     \
         const int64_t lpk = KSTEP * sizeof(T), kk = k / KSTEP; /* lines a step of k */                 \
@@ -142,7 +154,7 @@ static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads, int64_
         for (int64_t i = 0, r = r0; i < tiles; i++) {                                                \
             const int h = (int)((r1 - r0) / tiles + (i < (r1 - r0) % tiles));                        \
             const T *xr = x + r * xs;                                                                \
-            T *orow = o + r * os;                                                                    \
+            char *orow = o + r * os * osz;                                                           \
             const T *rrow = rp ? rp + r * rs : NULL;                                                 \
             const char *pf = next && i * pf_tile < lpk * kk ? next + i * pf_tile * 64 : NULL;      \
             switch (h) {                                                                             \
@@ -164,20 +176,23 @@ static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads, int64_
     for (int64_t b0 = 0; b0 < m; b0 += GEMM_ROW_BLOCK) {                                             \
         const int64_t mb = m - b0 < GEMM_ROW_BLOCK ? m - b0 : GEMM_ROW_BLOCK;                        \
         const T *xb = x + b0 * xs;                                                                   \
-        T *ob = out + b0 * os;                                                                       \
+        char *ob = (char *)out + b0 * os * (SILU == GEMM_F32_OUT ? 4 : (int64_t)sizeof(T));           \
         const T *rb = res ? res + b0 * rs : NULL;                                                    \
         GEMM_BLOCK(TILE, T, KSTEP, SILU, xb, mb, ob, rb)                                             \
     }
 #endif /* HAVE_AVX512 */
 
 /* out (m, n), rows os apart = x (m, k), rows xs apart, @ the packed weight (+ res (m, n), rows rs
- * apart, when not NULL; it may be out itself). With silu (res unused): the weight's panels are
+ * apart, when not NULL; it may be out itself). epi GEMM_SILU (res unused): the weight's panels are
  * gate/up pairs (32 columns of each, kernels/cpu_gemm.py pack_gate_up) and out (m, n) = silu(x @
- * gate.T) * (x @ up.T), n the intermediate size. 0 done, 2 declined (no code for this CPU). */
+ * gate.T) * (x @ up.T), n the intermediate size; GEMM_F32_OUT (bf16): out is fp32, the accumulators
+ * unrounded (the logits, which the sampler reads as fp32). 0 done, 2 declined (no code for this CPU). */
 #if HAVE_AVX512
 #define GEMM_RUN(TILE, T, KSTEP)                                                                      \
-    if (silu) {                                                                                      \
-        GEMM_DRIVER(TILE, T, KSTEP, 1)                                                               \
+    if (epi == GEMM_SILU) {                                                                          \
+        GEMM_DRIVER(TILE, T, KSTEP, GEMM_SILU)                                                       \
+    } else if (epi == GEMM_F32_OUT) {                                                                \
+        GEMM_DRIVER(TILE, T, KSTEP, GEMM_F32_OUT)                                                    \
     } else {                                                                                         \
         GEMM_DRIVER(TILE, T, KSTEP, 0)                                                               \
     }                                                                                                \
@@ -185,7 +200,7 @@ static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads, int64_
 #endif
 #define GEMM_DECLINE                                                                                  \
     (void)x, (void)xs, (void)m, (void)k, (void)w, (void)n, (void)out, (void)os, (void)res, (void)rs; \
-    (void)silu, (void)num_threads;                                                                   \
+    (void)epi, (void)num_threads;                                                                    \
     return 2;
 
 
@@ -240,17 +255,26 @@ static inline __attribute__((always_inline)) void amx_half(
 
 #define ACC_BUF(r, j) _mm512_loadu_ps(buf + (r) * GEMM_NR + 16 * (j))
 
-static void amx_epilogue(const float *buf, int mr, uint16_t *out, int64_t os, int ncols,
-                         const uint16_t *res, int64_t rs, const int silu) {
-    GEMM_STORE(ST16_BF16, LD16_BF16, ACC_BUF)
+static void amx_epilogue(const float *buf, int mr, void *outv, int64_t os, int ncols,
+                         const uint16_t *res, int64_t rs, const int epi) {
+    const int silu = epi == GEMM_SILU;
+    if (epi == GEMM_F32_OUT) {
+        float *const out = (float *)outv;
+        GEMM_STORE(ST16_F32, LD16_BF16, ACC_BUF)
+    } else {
+        uint16_t *const out = (uint16_t *)outv;
+        GEMM_STORE(ST16_BF16, LD16_BF16, ACC_BUF)
+    }
 }
 
 #define AMX_ROWS 32
 #define AMX_ROW_BLOCK 480 /* rows a pass over the panels: x's block (480 x 576 bf16, 540 KiB) stays in L2 */
 
 static int gemm_bf16_amx(const uint16_t *x, int64_t xs, int64_t m, int64_t k, const uint16_t *w,
-                         int64_t n, uint16_t *out, int64_t os, const uint16_t *res, int64_t rs, int silu,
+                         int64_t n, void *out, int64_t os, const uint16_t *res, int64_t rs, int epi,
                          int num_threads) {
+    const int silu = epi == GEMM_SILU;
+    const int64_t osz = epi == GEMM_F32_OUT ? 4 : 2; /* bytes an output */
     const int width = silu ? GEMM_NR / 2 : GEMM_NR; /* output columns a panel */
     const int64_t panels = (n + width - 1) / width, steps = k / 32;
     for (int64_t b0 = 0; b0 < m; b0 += AMX_ROW_BLOCK) {
@@ -288,8 +312,8 @@ static int gemm_bf16_amx(const uint16_t *x, int64_t xs, int64_t m, int64_t k, co
                         else
                             amx_half(x + r * xs, xs, wp, steps, buf, h, 0, pf, pf_n);
                     }
-                    amx_epilogue(buf, mr, out + r * os + p * width, os, ncols,
-                                 res ? res + r * rs + p * width : NULL, rs, silu);
+                    amx_epilogue(buf, mr, (char *)out + (r * os + p * width) * osz, os, ncols,
+                                 res ? res + r * rs + p * width : NULL, rs, epi);
                 }
             }
             if (cfg0 >= 0) _tile_release();
@@ -300,7 +324,7 @@ static int gemm_bf16_amx(const uint16_t *x, int64_t xs, int64_t m, int64_t k, co
 #endif /* HAVE_AMX */
 
 int gemm_f32(const float *x, int64_t xs, int64_t m, int64_t k, const float *w, int64_t n, float *out,
-             int64_t os, const float *res, int64_t rs, int silu, int num_threads) {
+             int64_t os, const float *res, int64_t rs, int epi, int num_threads) {
 #if HAVE_AVX512
     GEMM_RUN(gemm_tile_f32, float, 1)
 #else
@@ -309,12 +333,12 @@ int gemm_f32(const float *x, int64_t xs, int64_t m, int64_t k, const float *w, i
 }
 
 int gemm_bf16(const uint16_t *x, int64_t xs, int64_t m, int64_t k, const uint16_t *w, int64_t n,
-              uint16_t *out, int64_t os, const uint16_t *res, int64_t rs, int silu, int num_threads) {
+              void *out, int64_t os, const uint16_t *res, int64_t rs, int epi, int num_threads) {
 #if HAVE_AVX512 && defined(__AVX512BF16__)
     if (k % 2) return 2;
 #if HAVE_AMX
     if (k % 32 == 0 && amx_on())
-        return gemm_bf16_amx(x, xs, m, k, w, n, out, os, res, rs, silu, num_threads);
+        return gemm_bf16_amx(x, xs, m, k, w, n, out, os, res, rs, epi, num_threads);
 #endif
     GEMM_RUN(gemm_tile_bf16, uint16_t, 2)
 #else

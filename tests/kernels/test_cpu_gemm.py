@@ -231,6 +231,8 @@ def _skip_without_amx():
 @pytest.fixture
 def vdpbf16ps(monkeypatch):
     """A function that runs its argument with the AMX tiles switched off (BATCHGEN_AMX=0)."""
+    before = cpu_gemm.amx_in_use()
+
     def run(fn):
         monkeypatch.setenv(cpu_native.AMX_ENV, "0")
         try:
@@ -238,7 +240,7 @@ def vdpbf16ps(monkeypatch):
             return fn()
         finally:
             monkeypatch.delenv(cpu_native.AMX_ENV)
-            assert cpu_gemm.amx_in_use()
+            assert cpu_gemm.amx_in_use() == before
     yield run
     cpu_gemm.amx_in_use()
 
@@ -270,6 +272,49 @@ def test_amx_tiles_match_the_exact_product_and_the_vector_kernel(threads, vdpbf1
                 torch.testing.assert_close(fused, (F.silu(gate) * up).bfloat16(), atol=1e-2, rtol=1e-2)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("tiles", ["amx", "vector"])
+def test_bf16_logits_come_out_as_the_unrounded_fp32_accumulators(tiles, vdpbf16ps):
+    """out_dtype=float32: the fp32 sums as they are (within fp32 error of float64), where bf16
+    output is off by bf16's rounding; the lm_head's ops.linear_logits takes that path."""
+    _skip_without_panels(torch.bfloat16)
+    if tiles == "amx":
+        _skip_without_amx()
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(320, 96, generator=gen).bfloat16()
+    panels = cpu_gemm.pack_panels(w)
+    for rows in (1, 17, 64):
+        x = torch.randn(rows, 96, generator=gen).bfloat16()
+        exact = x.double() @ w.double().T
+        run = functools.partial(cpu_gemm.linear_panels, x, panels, n=300, out_dtype=torch.float32)
+        got = run() if tiles == "amx" else vdpbf16ps(run)
+        assert got.dtype == torch.float32 and got.shape == (rows, 300)
+        torch.testing.assert_close(got.double(), exact[:, :300], atol=1e-4, rtol=1e-5)
+        layer = nn.Linear(96, 320, bias=False).bfloat16()
+        layer.weight = nn.Parameter(panels, requires_grad=False)
+        if tiles == "amx":
+            torch.testing.assert_close(ops.linear_logits(x, layer).double(), exact, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="only float32 from bf16"):
+        cpu_gemm.linear_panels(x, panels, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="only float32 from bf16"):
+        cpu_gemm.linear_panels(x, cpu_gemm.pack_gate_up(w[:256]), silu=True, out_dtype=torch.float32)
+
+
+def test_logits_of_every_weight_form_are_float32():
+    """oneDNN-packed and plain weights give linear(...).float()."""
+    x, w = torch.randn(5, 64), torch.randn(128, 64)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = nn.Linear(64, 128, bias=False).to(dtype)
+        layer.weight = nn.Parameter(w.to(dtype), requires_grad=False)
+        want = F.linear(x.to(dtype), w.to(dtype)).float()
+        torch.testing.assert_close(ops.linear_logits(x.to(dtype), layer), want)
+        packed = cpu_gemm.pack_onednn(w.to(dtype))
+        if packed is not None:
+            layer.weight = nn.Parameter(packed, requires_grad=False)
+            got = ops.linear_logits(x.to(dtype), layer)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
 
 
 def test_amx_keeps_nan_and_inf_in_their_rows():
