@@ -49,10 +49,22 @@
  * 64 rows, 30 layers' projections in one process: 54 ms against 65 when the next panel came within
  * four tiles, 69 without the prefetch). */
 #define GEMM_PREFETCH(pf, k, pf_n)                                                                    \
-    if ((pf_n) > 0)                                                                                  \
-        for (int q_ = 0; q_ < (pf_n); q_++) _mm_prefetch((pf) + ((k) * (pf_n) + q_) * 64, _MM_HINT_T1); \
-    else if ((k) % -(pf_n) == 0)                                                                     \
-        _mm_prefetch((pf) + ((k) / -(pf_n)) * 64, _MM_HINT_T1)
+    do {                                                                                             \
+        if ((pf_n) > 0)                                                                              \
+            for (int q_ = 0; q_ < (pf_n); q_++) _mm_prefetch((pf) + ((k) * (pf_n) + q_) * 64, _MM_HINT_T1); \
+        else if ((k) % -(pf_n) == 0)                                                                 \
+            _mm_prefetch((pf) + ((k) / -(pf_n)) * 64, _MM_HINT_T1);                                   \
+    } while (0)
+
+/* a bf16 product's epilogue into outv: bf16, or fp32 with GEMM_F32_OUT (residuals are bf16 either way) */
+#define GEMM_STORE_BF16(ACC)                                                                          \
+    if (epi == GEMM_F32_OUT) {                                                                       \
+        float *const out = (float *)outv;                                                            \
+        GEMM_STORE(ST16_F32, LD16_BF16, ACC)                                                         \
+    } else {                                                                                         \
+        uint16_t *const out = (uint16_t *)outv;                                                      \
+        GEMM_STORE(ST16_BF16, LD16_BF16, ACC)                                                        \
+    }
 
 #define ACC_REG(r, j) acc[r][j]
 #define LD16_F32(m, p) _mm512_maskz_loadu_ps((m), (p))
@@ -105,13 +117,7 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(
             acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
         }
     }
-    if (epi == GEMM_F32_OUT) {
-        float *const out = (float *)outv;
-        GEMM_STORE(ST16_F32, LD16_BF16, ACC_REG)
-    } else {
-        uint16_t *const out = (uint16_t *)outv;
-        GEMM_STORE(ST16_BF16, LD16_BF16, ACC_REG)
-    }
+    GEMM_STORE_BF16(ACC_REG)
 }
 #endif
 
@@ -258,13 +264,7 @@ static inline __attribute__((always_inline)) void amx_half(
 static void amx_epilogue(const float *buf, int mr, void *outv, int64_t os, int ncols,
                          const uint16_t *res, int64_t rs, const int epi) {
     const int silu = epi == GEMM_SILU;
-    if (epi == GEMM_F32_OUT) {
-        float *const out = (float *)outv;
-        GEMM_STORE(ST16_F32, LD16_BF16, ACC_BUF)
-    } else {
-        uint16_t *const out = (uint16_t *)outv;
-        GEMM_STORE(ST16_BF16, LD16_BF16, ACC_BUF)
-    }
+    GEMM_STORE_BF16(ACC_BUF)
 }
 
 #define AMX_ROWS 32

@@ -142,6 +142,23 @@ def test_a_build_without_avx512_declines_and_packing_keeps_onednn(monkeypatch, t
         cpu_gemm.linear_panels(torch.randn(4, 64), cpu_gemm.pack_panels(w))
 
 
+def test_a_build_without_amx_keeps_bf16_with_onednn_on_an_amx_cpu(monkeypatch, tmp_path):
+    """The library as a compiler without AMX support builds it (-mno-amx-tile -mno-amx-bf16): no
+    tiles; on a CPU that has them, bf16 weights go to oneDNN (which uses them), fp32 stays in panels."""
+    from tests.kernels.test_cpu_native import _fresh_build_with
+
+    if "amx_bf16" not in cpu_gemm.cpu_features.cpu_flags():
+        pytest.skip("this CPU has no AMX: bf16 panels run vdpbf16ps whether or not the build has AMX")
+    real = shutil.which("gcc") or shutil.which("cc")
+    _fresh_build_with(monkeypatch, tmp_path, "exec " + real + ' "$@" -mno-amx-tile -mno-amx-bf16\n')
+    assert cpu_native.load() is not None and not cpu_native.amx()
+    w = torch.randn(128, 64)
+    assert cpu_gemm.panels_apply(w) == bool(cpu_native.features() & cpu_native.FEATURE_AVX512)
+    assert not cpu_gemm.panels_apply(w.bfloat16())
+    packed = cpu_gemm.pack(w.bfloat16())
+    assert packed is None or packed.is_mkldnn
+
+
 def test_packing_summary_counts_each_gemm_path():
     _skip_without_panels(torch.float32)
     model = Transformer(PRESETS["tiny"]).eval()
