@@ -273,13 +273,16 @@ static void amx_shapes(const int rows[8], const int colsb[8]) {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
         uint8_t rows[16];
-    } c;
+    } c __attribute__((aligned(64)));
     memset(&c, 0, sizeof c);
     c.palette = 1;
     for (int t = 0; t < 8; t++) {
         c.rows[t] = (uint8_t)rows[t];
         c.colsb[t] = (uint16_t)(rows[t] ? colsb[t] : 0);
     }
+    /* GCC 12 does not count ldtilecfg's 64-byte read as a use of c and may drop the stores above
+     * (seen: only the palette byte written, then a #GP on the garbage): make them happen first */
+    __asm__ __volatile__("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 #else
