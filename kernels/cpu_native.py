@@ -152,6 +152,8 @@ def load() -> ctypes.CDLL | None:
             for name, (restype, argtypes) in signatures.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes
+            if os.environ.get(AMX_ENV, "1") == "0":
+                lib.batchgen_amx(0)  # off from the start, not only once amx() is asked
             _lib = lib
     if _lib is None:
         log.warning("native CPU kernels unavailable, using the torch path: %s", _why_not)

@@ -334,6 +334,22 @@ def test_logits_of_every_weight_form_are_float32():
             torch.testing.assert_close(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
 
 
+def test_batchgen_amx_0_keeps_the_tiles_off_from_the_library_load(tmp_path):
+    """With BATCHGEN_AMX=0 the library starts switched off: a GEMM called before anything asks
+    cpu_native.amx() (no packing) runs vdpbf16ps too."""
+    _skip_without_amx()
+    import os
+    import subprocess
+    import sys
+
+    probe = "from kernels import cpu_native; print(cpu_native.load().batchgen_amx(-1))"
+    env = {**os.environ, cpu_native.AMX_ENV: "0"}
+    off = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    env.pop(cpu_native.AMX_ENV)
+    on = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert (off.stdout.strip(), on.stdout.strip()) == ("0", "1")
+
+
 def test_amx_keeps_nan_and_inf_in_their_rows():
     _skip_without_amx()
     w = torch.randn(64, 64).bfloat16()
