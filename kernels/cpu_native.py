@@ -149,11 +149,15 @@ def load() -> ctypes.CDLL | None:
             signatures["argmax_rows_f32"] = (None, [ptr, i64, i64, i64, ptr, i32])
             signatures["cpu_kernels_features"] = (i32, [])
             signatures["batchgen_amx"] = (i32, [i32])
+            signatures["batchgen_attention_stream"] = (i32, [i32])
             for name, (restype, argtypes) in signatures.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes
             if os.environ.get(AMX_ENV, "1") == "0":
                 lib.batchgen_amx(0)  # off from the start, not only once amx() is asked
+            stream = os.environ.get(ATTN_STREAM_ENV, "")
+            if stream in ("0", "1"):
+                lib.batchgen_attention_stream(int(stream))
             _lib = lib
     if _lib is None:
         log.warning("native CPU kernels unavailable, using the torch path: %s", _why_not)
@@ -164,6 +168,14 @@ FEATURE_AVX512, FEATURE_AVX2, FEATURE_DP_BF16 = 1, 2, 4  # cpu_kernels_features(
 
 
 AMX_ENV = "BATCHGEN_AMX"  # "0": the vector kernels even where AMX tiles would serve (to compare)
+ATTN_STREAM_ENV = "BATCHGEN_ATTN_STREAM"  # "1"/"0": decode attention's L2 stream (default: by CPU vendor)
+
+
+def attention_stream() -> bool:
+    """Whether decode attention runs its own L2 prefetch stream (csrc/cpu_kernels.c): on AMD CPUs,
+    off on Intel ones, unless BATCHGEN_ATTN_STREAM (read when the library loads) says otherwise."""
+    lib = load()
+    return lib is not None and bool(lib.batchgen_attention_stream(-1))
 
 
 def amx() -> bool:

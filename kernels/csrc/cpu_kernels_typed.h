@@ -106,6 +106,7 @@ typedef struct {
     int kv, block, first_block, nblocks, credit;
     int32_t prev_first;
     int prev_nblocks;
+    int off; /* the stream switched off (batchgen_attention_stream): block_rows asks only for L1 */
 } FN(Stream);
 
 static void FN(stream_enter)(FN(Stream) *st) {
@@ -148,9 +149,9 @@ static void FN(stream_next)(FN(Stream) *st, int n) {
     }
 }
 
-static void FN(stream_start)(FN(Stream) *st, const PROBLEM *p, int64_t first_seq, int64_t end_seq) {
-    *st = (FN(Stream)){p, first_seq, end_seq, 0, 0, 0, 0, 0, -1, 0};
-    if (first_seq >= end_seq) return;
+static void FN(stream_start)(FN(Stream) *st, const PROBLEM *p, int64_t first_seq, int64_t end_seq, int on) {
+    *st = (FN(Stream)){p, first_seq, end_seq, 0, 0, 0, 0, 0, -1, 0, !on};
+    if (first_seq >= end_seq || !on) return;
     FN(stream_enter)(st);
     const int64_t block_bytes = (int64_t)p->block_size * p->num_kv_heads * p->head_dim * (int64_t)sizeof(T);
     FN(stream_next)(st, (int)(STREAM_LEAD_BYTES / block_bytes) + 1);
@@ -163,7 +164,7 @@ static void FN(stream_start)(FN(Stream) *st, const PROBLEM *p, int64_t first_seq
 static inline const T *FN(block_rows)(FN(Stream) *st, const T *cache, const int32_t *table, int t0, int ctx,
                                       int B, int hkv, int h, int D) {
     const int64_t token_bytes = (int64_t)hkv * D * (int64_t)sizeof(T);
-    if (++st->credit >= hkv) {
+    if (!st->off && ++st->credit >= hkv) {
         st->credit = 0;
         FN(stream_next)(st, 1);
     }
@@ -434,6 +435,9 @@ int FN(paged_decode_attention)(const T *q, int64_t q_seq_stride, int64_t q_head_
     for (int64_t s = 0; s < num_seqs; s++) max_ctx = context_lens[s] > max_ctx ? context_lens[s] : max_ctx;
     if (num_threads < 1) num_threads = 1;
     int failed = 0;
+#if HAVE_SIMD
+    const int use_stream = attention_stream_on();
+#endif
 #pragma omp parallel num_threads(num_threads) if (items > 1)
     {
         /* scores (G x max_ctx), then the generic kernel's queries and accumulators (2 x G x D) */
@@ -452,7 +456,7 @@ int FN(paged_decode_attention)(const T *q, int64_t q_seq_stride, int64_t q_head_
 #if HAVE_SIMD
         FN(Stream) stream, *st = &stream;
         /* streamed: the sequences whose every head is this thread's (whole rows serve only those) */
-        FN(stream_start)(st, &p, (lo + num_kv_heads - 1) / num_kv_heads, hi / num_kv_heads);
+        FN(stream_start)(st, &p, (lo + num_kv_heads - 1) / num_kv_heads, hi / num_kv_heads, use_stream);
 #else
         void *st = NULL;
 #endif

@@ -74,6 +74,49 @@ def test_any_thread_count_gives_the_same_answer(num_threads):
     torch.testing.assert_close(many, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_gives_the_same_answer_with_and_without_its_l2_stream(dtype):
+    """The stream only prefetches: switching it (BATCHGEN_ATTN_STREAM) leaves every output bit as it was."""
+    lens = [5, 300, 1, 64, 65, 129, 2, 40]
+    inputs = make_paged_inputs([1] * len(lens), lens, 9, 3, 64, 16, dtype=dtype, garbage=float("nan"))
+    meta = inputs.meta
+    lib = cpu_native.library()
+    before = lib.batchgen_attention_stream(-1)
+    outs = []
+    try:
+        for on in (1, 0):
+            assert lib.batchgen_attention_stream(on) == on
+            for threads in (1, 2):
+                outs.append(paged_decode_attention_native(inputs.q, inputs.k_cache, inputs.v_cache,
+                                                          meta.block_tables, meta.context_lens, inputs.scale,
+                                                          num_threads=threads))
+    finally:
+        lib.batchgen_attention_stream(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:]) and not outs[0].isnan().any()
+
+
+def test_the_l2_stream_is_on_for_amd_off_for_intel_unless_the_env_says():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    vendor = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                   if line.startswith("vendor_id")), "")
+    probe = "from kernels import cpu_native; print(int(cpu_native.attention_stream()))"
+
+    def run(**env):
+        full = {k: v for k, v in os.environ.items() if k != cpu_native.ATTN_STREAM_ENV} | env
+        return subprocess.run([sys.executable, "-c", probe], env=full, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    if vendor in ("GenuineIntel", "AuthenticAMD"):
+        assert run() == ("0" if vendor == "GenuineIntel" else "1")
+    assert run(**{cpu_native.ATTN_STREAM_ENV: "1"}) == "1"
+    assert run(**{cpu_native.ATTN_STREAM_ENV: "0"}) == "0"
+
+
 def test_strided_queries_from_the_fused_projection():
     """The model hands attention q as a view of the qkv GEMM's output: rows are strided."""
     lens = [3, 40, 17]
