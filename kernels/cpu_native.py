@@ -179,9 +179,9 @@ def attention_stream() -> bool:
 
 
 def amx() -> bool:
-    """Whether the bf16 GEMM runs on AMX tiles: a library built with AMX (the
-    compiler knows the CPU's amx_bf16), Linux granting the tiles, and no BATCHGEN_AMX=0 (read on each
-    call, which switches the library to match)."""
+    """Whether the bf16 GEMM runs on AMX tiles: a library built with AMX (the compiler knows the
+    CPU's amx_bf16), Linux granting the tiles, and no BATCHGEN_AMX=0 (read on each call, which
+    switches the library to match)."""
     lib = load()
     return lib is not None and bool(lib.batchgen_amx(0 if os.environ.get(AMX_ENV, "1") == "0" else 1))
 

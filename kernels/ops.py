@@ -257,10 +257,9 @@ def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 def linear_logits(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """linear(x, layer) as float32 (the lm_head): a bf16 panel GEMM writes its fp32 accumulators
     directly, unrounded and without a second pass over (T, vocab); other forms convert after."""
-    weight = layer.weight
-    if cpu_gemm.is_packed(weight):
-        return cpu_gemm.linear_f32(x, weight)
-    return KERNELS["linear"]["torch"](x, weight).float()
+    if cpu_gemm.is_packed(layer.weight):
+        return cpu_gemm.linear_f32(x, layer.weight)
+    return linear(x, layer).float()
 
 
 def linear_silu_and_mul(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:

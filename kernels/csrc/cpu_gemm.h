@@ -267,7 +267,8 @@ static void amx_epilogue(const float *buf, int mr, void *outv, int64_t os, int n
     GEMM_STORE_BF16(ACC_BUF)
 }
 
-#define AMX_ROWS 32
+#define AMX_ROWS 32      /* a block: two tiles of x */
+#define AMX_TILE_ROWS 16 /* a tile's rows */
 #define AMX_ROW_BLOCK 480 /* rows a pass over the panels: x's block (480 x 576 bf16, 540 KiB) stays in L2 */
 
 static int gemm_bf16_amx(const uint16_t *x, int64_t xs, int64_t m, int64_t k, const uint16_t *w,
@@ -279,7 +280,7 @@ static int gemm_bf16_amx(const uint16_t *x, int64_t xs, int64_t m, int64_t k, co
     const int64_t panels = (n + width - 1) / width, steps = k / 32;
     for (int64_t b0 = 0; b0 < m; b0 += AMX_ROW_BLOCK) {
         const int64_t mb = m - b0 < AMX_ROW_BLOCK ? m - b0 : AMX_ROW_BLOCK;
-        const int64_t parts = gemm_row_parts(mb, panels, num_threads, 16);
+        const int64_t parts = gemm_row_parts(mb, panels, num_threads, AMX_TILE_ROWS);
         const int64_t rows_per = (mb + parts - 1) / parts, tasks = panels * parts;
 #pragma omp parallel num_threads(num_threads) if (tasks > 1 && (mb * n * k >= PARALLEL_MIN_ELEMS * 64 || n * k >= GEMM_PARALLEL_WEIGHT))
         {
@@ -298,7 +299,7 @@ static int gemm_bf16_amx(const uint16_t *x, int64_t xs, int64_t m, int64_t k, co
                 const char *next = p + 1 < panels ? (const char *)(wp + GEMM_NR * k) : NULL;
                 for (int64_t i = 0, r = r0; r < r1; i++, r += AMX_ROWS) {
                     const int mr = (int)(r1 - r < AMX_ROWS ? r1 - r : AMX_ROWS);
-                    const int rows0 = mr < 16 ? mr : 16, rows1 = mr - rows0;
+                    const int rows0 = mr < AMX_TILE_ROWS ? mr : AMX_TILE_ROWS, rows1 = mr - rows0;
                     if (rows0 != cfg0 || rows1 != cfg1) {
                         amx_configure(rows0, rows1);
                         cfg0 = rows0, cfg1 = rows1;
