@@ -58,7 +58,7 @@ class EngineConfig:
         choices=("auto", *_DTYPES)))
     device: str = field(default="cpu", metadata=_flag("cpu, cuda or cuda:N (default cpu)."))
     enforce_eager: bool = field(default=False, metadata=_flag(
-        "No CUDA graphs (and no padded decode buckets on CPU): every step runs eagerly."))
+        "No CUDA graphs: every step runs eagerly (on CPU, decode steps skip the static buffers too)."))
     seed: int = 0  # seeds requests that give no seed of their own (jobs set it per row: --seed)
     dtype_reason: str = field(default="", compare=False)  # set on construction: "given", or why "auto"
     # resolved to dtype (derived, so no flag and not compared)

@@ -7,10 +7,11 @@ one asynchronous copy; block tables live on the device, one persistent row per r
 and change only where a sequence gained blocks (uploaded as a short list of updates). The sampled
 tokens come back in the step's one device -> host copy (engine/staging.py).
 
-Decode-only steps (every sequence one query token) run padded to a batch-size bucket over static
-input buffers: on CUDA each bucket is a CUDA graph captured at start (one replay instead of ~11
-kernel launches per layer), elsewhere the same padded inputs go through a plain call.
-`enforce_eager=True` runs every step unpadded, as mixed steps always are.
+Decode-only steps (every sequence one query token) run over static input buffers: on CUDA padded to
+a batch-size bucket, each bucket a CUDA graph captured at start (one replay instead of ~11 kernel
+launches per layer); elsewhere a plain call at the step's own size (`pad_decodes` pads there too,
+which the tests use to check the padding against the eager path). `enforce_eager=True` runs every
+step through the eager path, as mixed steps always are.
 """
 
 from __future__ import annotations
@@ -165,6 +166,9 @@ class ModelRunner:
         model.init_rope(max_model_len)
         self.enforce_eager = enforce_eager
         self.buckets = [] if enforce_eager else graph_buckets(min(max_num_seqs, max_num_batched_tokens))
+        # a bucket's padding buys a CUDA graph; elsewhere it is only rows computed for nothing (on CPU
+        # up to 7 of every decode step's GEMM rows), so decode steps there run at their own size
+        self.pad_decodes = self.device.type == "cuda"
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.staging = Staging(self.device)
         self.staging.buffer("step", 3 * self.max_tokens + 4 * max_num_seqs + 1, torch.int64)  # never grows
@@ -304,9 +308,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden.index_select(0, inputs["sample"])), sample_seqs
 
     def _execute_decode(self, ordered) -> tuple[torch.Tensor, list[Sequence]]:
-        """A decode-only step, padded to its bucket: a graph replay on CUDA, a plain call elsewhere."""
+        """A decode-only step over the static inputs, padded to its bucket (pad_decodes) and replayed as
+        a graph on CUDA, a plain call at its own size elsewhere."""
         num_seqs = len(ordered)
-        size = next(b for b in self.buckets if b >= num_seqs)
+        size = next(b for b in self.buckets if b >= num_seqs) if self.pad_decodes else num_seqs
         layout = _Layout(size, size, size)
         slices = layout.slices()
         buf = self.staging.buffer("step", layout.size, torch.int64)

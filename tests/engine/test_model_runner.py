@@ -1,5 +1,5 @@
-"""The model runner's step inputs: padded decode buckets (the CUDA-graph path, a plain call on CPU)
-give the eager path's tokens; device block tables follow the sequences' tables through growth,
+"""The model runner's step inputs: decode steps over the static buffers, padded to buckets (the
+CUDA-graph path) or at their own size (CPU's default), give the eager path's tokens; device block tables follow the sequences' tables through growth,
 preemption and prefix caching; and a step makes one device -> host copy and no hidden host syncs."""
 
 from __future__ import annotations
@@ -55,16 +55,42 @@ def test_padded_decode_buckets_give_the_eager_tokens(ckpt, name):
         prompts = [prompts[0][:30] + p[:12] for p in prompts]
     params = _params(len(prompts))
     results = {}
-    for eager in (True, False):
-        llm = LLM("tiny", checkpoint=ckpt, enforce_eager=eager, **CONFIGS[name])
+    for mode in ("eager", "padded", "own size"):
+        llm = LLM("tiny", checkpoint=ckpt, enforce_eager=mode == "eager", **CONFIGS[name])
+        runner = llm.engine.runner
+        if mode != "eager":
+            assert runner.buckets == graph_buckets(min(CONFIGS[name]["max_num_seqs"],
+                                                       CONFIGS[name]["max_num_batched_tokens"]))
+            assert runner.pad_decodes is False  # CPU: decode steps run at their own size
+            runner.pad_decodes = mode == "padded"
+        rows = _decode_rows(runner)
         outs = llm.generate(prompts, params)
-        results[eager] = [(o.token_ids, o.finish_reason, o.logprobs) for o in outs]
-        if not eager:
-            assert llm.engine.runner.buckets == graph_buckets(min(CONFIGS[name]["max_num_seqs"],
-                                                                  CONFIGS[name]["max_num_batched_tokens"]))
+        results[mode] = [(o.token_ids, o.finish_reason, o.logprobs) for o in outs]
+        if mode != "eager":  # (sequences, rows the forward ran) of each decode step
+            assert rows and all(r == (next(b for b in runner.buckets if b >= n) if mode == "padded" else n)
+                                for n, r in rows)
         if name == "preempting":
             assert sum(s.num_preempted for s in llm.iteration_stats) > 0
-    assert results[False] == results[True]
+    assert results["padded"] == results["eager"]
+    assert results["own size"] == results["eager"]
+
+
+def _decode_rows(runner) -> list[tuple[int, int]]:
+    """(sequences, rows of the forward) of each of the runner's decode-path steps, as they run."""
+    rows = []
+    execute, forward = runner._execute_decode, runner._decode_forward
+
+    def step(ordered):
+        rows.append((len(ordered), None))
+        return execute(ordered)
+
+    def recorded(size, context_lens):
+        assert len(context_lens) == size
+        rows[-1] = (rows[-1][0], size)
+        return forward(size, context_lens)
+
+    runner._execute_decode, runner._decode_forward = step, recorded
+    return rows
 
 
 def test_graph_buckets():
