@@ -199,14 +199,15 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def start_vllm(model_dir: str, workload: Workload, config):
+def start_vllm(model_dir: str, workload: Workload, config, warmup: Workload):
     """vLLM's CPU backend loaded and warmed up on the workload in its own venv
     (engine/vllm_baseline.py): a Session whose round() is one timed run; a ClickException when it
     cannot start."""
     from engine import vllm_baseline
 
     spec = vllm_baseline.make_spec(model_dir, workload.prompts, workload.output_lens, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.dtype, config.max_model_len)
+                                   config.max_num_batched_tokens, config.dtype, config.max_model_len,
+                                   config.enable_prefix_caching, warmup.prompts)
     try:
         session = vllm_baseline.Session(spec)
     except FileNotFoundError as exc:
@@ -354,7 +355,7 @@ def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, h
             hf_dir, dtype = _hf_dir(llm.config.model), llm.config.dtype
             kinds.append(lambda: run_hf_static(hf_dir, workload, hf_batch_size, peak, args, dtype))
         if baseline in ("vllm", "all"):
-            session = stack.enter_context(start_vllm(_hf_dir(llm.config.model), workload, llm.config))
+            session = stack.enter_context(start_vllm(_hf_dir(llm.config.model), workload, llm.config, warm))
             kinds.append(lambda: vllm_round(session, workload, peak, args))
         runs = alternate(kinds, rounds or (2 if constrained_share else 1))
     _print([max(r, key=lambda x: x.output_tokens_per_s) for r in runs], peaks, workload, as_json,
@@ -407,8 +408,9 @@ def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json:
         ratio = results[0].output_tokens_per_s / other.output_tokens_per_s
         click.echo(f"output tokens/s ratio batchgen / {other.name}: {ratio:.2f}x")
         if len(other_runs) > 1:
-            each = ", ".join(f"{a.output_tokens_per_s / b.output_tokens_per_s:.2f}x"
-                             for a, b in zip(runs[0], other_runs, strict=True))
+            pairs = [(a.output_tokens_per_s, b.output_tokens_per_s)
+                     for a, b in zip(runs[0], other_runs, strict=True)]
+            each = ", ".join(f"{a / b:.2f}x ({a:.1f} / {b:.1f})" for a, b in pairs)
             click.echo(f"  round by round: {each}")
         if other.num_constrained:
             click.echo(f"structured output: {other.num_constrained} of {other.num_requests} requests "

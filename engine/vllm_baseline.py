@@ -40,11 +40,15 @@ def default_python() -> Path:
 
 
 def make_spec(model_dir: str, prompts: list[list[int]], output_lens: list[int], max_num_seqs: int,
-              max_num_batched_tokens: int, dtype: str, max_model_len: int | None = None) -> dict:
-    """The JSON the script reads: the workload and the caps batchgen runs with."""
+              max_num_batched_tokens: int, dtype: str, max_model_len: int | None = None,
+              enable_prefix_caching: bool = False, warmup_prompts: list[list[int]] | None = None) -> dict:
+    """The JSON the script reads: the workload, the caps and prefix caching batchgen runs with, and
+    the prompts of batchgen's warm-up (default: the workload's first 4 reversed, so that with prefix
+    caching on no warm-up leaves a workload prompt's blocks cached)."""
     return {"model_dir": str(model_dir), "prompts": prompts, "output_lens": output_lens,
             "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-            "dtype": dtype, "max_model_len": max_model_len}
+            "dtype": dtype, "max_model_len": max_model_len, "enable_prefix_caching": enable_prefix_caching,
+            "warmup_prompts": warmup_prompts or [p[::-1] for p in prompts[:4]]}
 
 
 def subprocess_env(python: Path, num_threads: int, base: dict | None = None) -> dict:
@@ -246,10 +250,14 @@ def main(spec_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     limits = {k: spec[k] for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len") if spec.get(k)}
-    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], seed=0, **limits)
+    # vLLM caches prefixes by default: each round would replay the same prompts from its cache (no
+    # prefill) while batchgen, without --enable-prefix-caching, computes them again
+    llm = LLM(model=spec["model_dir"], dtype=spec["dtype"], seed=0,
+              enable_prefix_caching=bool(spec.get("enable_prefix_caching")), **limits)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in spec["output_lens"]]
-    llm.generate(prompts[:4], [SamplingParams(max_tokens=4, temperature=0.0)] * len(prompts[:4]),
+    warm = [TokensPrompt(prompt_token_ids=p) for p in spec["warmup_prompts"]]
+    llm.generate(warm, [SamplingParams(max_tokens=4, temperature=0.0)] * len(warm),
                  use_tqdm=False)  # warm-up, as batchgen's bench does
     if spec.get("paced"):
         print(READY, flush=True)

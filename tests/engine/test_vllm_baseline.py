@@ -93,7 +93,9 @@ def test_script_runs_the_spec_greedy_with_ignore_eos(tmp_path, monkeypatch, caps
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     vllm_baseline.main(str(tmp_path / "spec.json"))
     assert seen["llm"] == {"model": "/m", "dtype": "bfloat16", "seed": 0, "max_num_seqs": 128,
-                           "max_num_batched_tokens": 8192}
+                           "max_num_batched_tokens": 8192, "enable_prefix_caching": False}
+    warm, _ = seen["calls"][0]  # no warm-up prompt is a whole workload prompt (a cached prefix)
+    assert len(warm) == 4 and all(p["ids"] not in wl.prompts for p in warm)
     prompts, params = seen["calls"][-1]  # the timed call, after a warm-up
     assert [p["ids"] for p in prompts] == wl.prompts
     assert [p.max_tokens for p in params] == wl.output_lens
@@ -260,15 +262,28 @@ def test_bench_rounds_alternate_with_vllm_and_report_each(tmp_path, monkeypatch)
     monkeypatch.setattr(bench_module, "run_engine", run_engine_after_vllm_loaded)
     events = []
     monkeypatch.setattr(vllm_baseline, "wait_quiet", lambda pid: events.append(pid) or 0.0)
+    specs = []
+
+    class Session(vllm_baseline.Session):
+        def __init__(self, spec, *a, **kw):
+            specs.append(spec)
+            super().__init__(spec, *a, **kw)
+
+    monkeypatch.setattr(vllm_baseline, "Session", Session)
     flags = ["--model", "tiny-random", "--num-kv-blocks", "64", "--num-requests", "2", "--output-len", "2",
              "--prompt-len", "3", "--baseline", "vllm", "--rounds", "3"]
     result = CliRunner().invoke(bench, flags)
     assert result.exit_code == 0, result.output
     assert "fastest of 3 alternated rounds each" in result.output
     assert events == [os.getpid()] * 6  # before each of the 3 x 2 runs, this process tree went idle
-    assert len(re.search(r"round by round: (.*)", result.output).group(1).split(", ")) == 3
+    # batchgen's prefix caching (off here) and its own warm-up prompts, none of them the workload's
+    assert specs[0]["enable_prefix_caching"] is False and len(specs[0]["warmup_prompts"]) == 4
+    assert not set(map(tuple, specs[0]["warmup_prompts"])) & set(map(tuple, specs[0]["prompts"]))
+    each = re.search(r"round by round: (.*)", result.output).group(1).split(", ")
+    assert len(each) == 3 and all(re.fullmatch(r"[\d.]+x \([\d.]+ / [\d.]+\)", e) for e in each)
     report = json.loads(CliRunner().invoke(bench, flags + ["--json"]).stdout)
     engine_runs, vllm_runs = report["rounds"]
     assert [r["elapsed_s"] for r in vllm_runs] == [1, 2, 3]  # the fake's runs, in order
     assert report["results"][1]["elapsed_s"] == 1  # the fastest reported
     assert len(engine_runs) == 3 and report["results"][0] in engine_runs
+
