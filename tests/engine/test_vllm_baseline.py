@@ -287,3 +287,19 @@ def test_bench_rounds_alternate_with_vllm_and_report_each(tmp_path, monkeypatch)
     assert report["results"][1]["elapsed_s"] == 1  # the fastest reported
     assert len(engine_runs) == 3 and report["results"][0] in engine_runs
 
+
+
+@pytest.mark.parametrize("flag, cached", [([], False), (["--enable-prefix-caching"], True)])
+def test_bench_gives_vllm_batchgens_prefix_caching(tmp_path, monkeypatch, flag, cached):
+    """vLLM's own default is on: left to it, every round after the first replays cached prompts."""
+    monkeypatch.setenv(vllm_baseline.VENV_ENV, str(_fake_vllm_python(tmp_path, ANSWER)))
+    monkeypatch.setattr("engine.bench._hf_dir", lambda model: str(tmp_path))
+    monkeypatch.setattr(vllm_baseline, "wait_quiet", lambda pid: 0.0)
+    specs = []
+    monkeypatch.setattr(vllm_baseline, "make_spec",
+                        lambda *a, make=vllm_baseline.make_spec: specs.append(make(*a)) or specs[-1])
+    flags = ["--model", "tiny-random", "--num-kv-blocks", "64", "--num-requests", "2", "--output-len", "2",
+             "--prompt-len", "3", "--baseline", "vllm"]
+    result = CliRunner().invoke(bench, flags + flag)
+    assert result.exit_code == 0, result.output
+    assert specs[0]["enable_prefix_caching"] is cached
