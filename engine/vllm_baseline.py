@@ -26,7 +26,7 @@ from pathlib import Path
 
 RESULT_PREFIX = "VLLM_RESULT "
 GO = "go"  # the line a Session sends for each timed run
-READY = "VLLM_READY"  # the line a paced script prints once loaded and warmed up
+READY = "VLLM_READY"  # the line the script prints once loaded and warmed up
 VENV_ENV = "BATCHGEN_VLLM_PYTHON"  # overrides the interpreter (default: .venv-vllm beside the repo)
 # tcmalloc (Debian libtcmalloc-minimal4) and intel-openmp's libiomp5, preloaded where found, as
 # vLLM's CPU docs advise
@@ -83,13 +83,6 @@ def parse_result(stdout: str) -> dict:
     raise RuntimeError(f"vLLM baseline printed no {RESULT_PREFIX.strip()} line; its output ended:\n{tail}")
 
 
-def run(spec: dict, python: Path | None = None, num_threads: int | None = None,
-        timeout_s: float = 3600) -> dict:
-    """Run the script on `spec` with vLLM's interpreter for one timed run; returns its result dict."""
-    with Session(spec, python, num_threads, timeout_s) as session:
-        return session.round()
-
-
 class Session:
     """The script running on `spec` (one vLLM instance), one timed run per round(). Its stderr goes to
     a temporary file (vLLM logs a lot there) whose tail, with stdout's, is in any error."""
@@ -105,7 +98,7 @@ class Session:
         self._stdout: list[str] = []
         fd, spec_path = tempfile.mkstemp(prefix="batchgen-vllm-spec-", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump({**spec, "paced": True}, f)
+            json.dump(spec, f)
         self._spec_path = Path(spec_path)
         self._stderr = tempfile.TemporaryFile(mode="w+")
         env = subprocess_env(python, num_threads or os.cpu_count() or 1)
@@ -243,8 +236,8 @@ def _peak_rss_mb(pid: int | None = None) -> float:
 
 
 def main(spec_path: str) -> None:
-    """Script entry (inside .venv-vllm): load the model, warm up, then time one generate over the
-    workload; paced (a Session's spec), one per line on stdin until stdin closes."""
+    """Script entry (inside .venv-vllm): load the model, warm up, say so, then time one generate over
+    the workload per `go` line on stdin until stdin closes (a Session's rounds)."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -259,17 +252,14 @@ def main(spec_path: str) -> None:
     warm = [TokensPrompt(prompt_token_ids=p) for p in spec["warmup_prompts"]]
     llm.generate(warm, [SamplingParams(max_tokens=4, temperature=0.0)] * len(warm),
                  use_tqdm=False)  # warm-up, as batchgen's bench does
-    if spec.get("paced"):
-        print(READY, flush=True)
-    while not spec.get("paced") or sys.stdin.readline().strip() == GO:
+    print(READY, flush=True)
+    while sys.stdin.readline().strip() == GO:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         result = {"elapsed_s": elapsed, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
                   "peak_rss_mb": _peak_rss_mb(), "vllm_version": __import__("vllm").__version__}
         print(RESULT_PREFIX + json.dumps(result), flush=True)
-        if not spec.get("paced"):
-            break
 
 
 if __name__ == "__main__":  # vLLM starts worker processes that re-import the main module

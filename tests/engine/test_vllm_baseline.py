@@ -57,13 +57,15 @@ def test_parse_result_takes_the_last_result_line():
 
 def test_missing_interpreter_says_how_to_make_it(tmp_path):
     with pytest.raises(FileNotFoundError, match="make vllm-baseline"):
-        vllm_baseline.run({}, python=tmp_path / "nope" / "python")
+        vllm_baseline.Session({}, python=tmp_path / "nope" / "python")
 
 
 def test_a_failing_script_reports_its_exit_and_output(tmp_path):
     # this venv has no vllm: the script's import fails, and the error carries the traceback's tail
     with pytest.raises(RuntimeError, match=r"exited 1:[\s\S]*vllm"):
-        vllm_baseline.run({"model_dir": str(tmp_path)}, python=Path(sys.executable), num_threads=1)
+        with vllm_baseline.Session({"model_dir": str(tmp_path)}, python=Path(sys.executable),
+                                   num_threads=1) as session:
+            session.round()
 
 
 def _stand_in_vllm(monkeypatch, seen: dict) -> None:
@@ -91,6 +93,7 @@ def test_script_runs_the_spec_greedy_with_ignore_eos(tmp_path, monkeypatch, caps
     wl = make_workload(6, (3, 9), (2, 5), 100, seed=3)
     spec = vllm_baseline.make_spec("/m", wl.prompts, wl.output_lens, 128, 8192, "bfloat16")
     (tmp_path / "spec.json").write_text(json.dumps(spec))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(vllm_baseline.GO + "\n"))  # one round
     vllm_baseline.main(str(tmp_path / "spec.json"))
     assert seen["llm"] == {"model": "/m", "dtype": "bfloat16", "seed": 0, "max_num_seqs": 128,
                            "max_num_batched_tokens": 8192, "enable_prefix_caching": False}
@@ -235,12 +238,12 @@ def test_session_gives_up_on_a_script_that_never_loads(tmp_path):
             session.round()
 
 
-def test_paced_script_waits_for_each_go(tmp_path, monkeypatch, capsys):
+def test_script_waits_for_each_go(tmp_path, monkeypatch, capsys):
     seen: dict = {}
     _stand_in_vllm(monkeypatch, seen)
     wl = make_workload(3, (3, 5), (2, 3), 100, seed=1)
     spec = vllm_baseline.make_spec("/m", wl.prompts, wl.output_lens, 8, 64, "float32")
-    (tmp_path / "spec.json").write_text(json.dumps({**spec, "paced": True}))
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
     monkeypatch.setattr(sys, "stdin", io.StringIO("go\ngo\n"))
     vllm_baseline.main(str(tmp_path / "spec.json"))
     out = capsys.readouterr().out
