@@ -292,6 +292,24 @@ def test_bench_rounds_alternate_with_vllm_and_report_each(tmp_path, monkeypatch)
 
 
 
+@pytest.mark.parametrize("baseline, share, rounds", [("none", None, 1), ("hf", None, 1), ("vllm", None, 2),
+                                                      ("all", None, 2), ("none", 0.5, 2)])
+def test_default_rounds_alternate_where_a_ratio_is_quoted(baseline, share, rounds):
+    assert bench_module.default_rounds(baseline, share) == rounds
+
+
+def test_bench_against_vllm_runs_two_rounds_unless_told(tmp_path, monkeypatch):
+    monkeypatch.setenv(vllm_baseline.VENV_ENV, str(_fake_vllm_python(tmp_path, ANSWER)))
+    monkeypatch.setattr("engine.bench._hf_dir", lambda model: str(tmp_path))
+    monkeypatch.setattr(vllm_baseline, "wait_quiet", lambda pid: 0.0)
+    flags = ["--model", "tiny-random", "--num-kv-blocks", "64", "--num-requests", "2", "--output-len", "2",
+             "--prompt-len", "3", "--baseline", "vllm", "--json"]
+    for extra, n in [([], 2), (["--rounds", "1"], 1)]:
+        result = CliRunner().invoke(bench, flags + extra)
+        assert result.exit_code == 0, result.output
+        assert [len(kind) for kind in json.loads(result.stdout)["rounds"]] == [n, n]
+
+
 @pytest.mark.parametrize("flag, cached", [([], False), (["--enable-prefix-caching"], True)])
 def test_bench_gives_vllm_batchgens_prefix_caching(tmp_path, monkeypatch, flag, cached):
     """vLLM's own default is on: left to it, every round after the first replays cached prompts."""
