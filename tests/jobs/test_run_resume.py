@@ -59,7 +59,7 @@ def test_ctrl_c_hands_back_and_the_same_command_resumes(tmp_path):
             str(SHARD_SIZE), "--temperature", "0", "--apply-chat-template", "never", "--max-num-seqs", "2",
             "--concurrency", "1", "--output", str(out)]
     first = subprocess.Popen(_cli(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=_env())
+                             env=_env(), preexec_fn=_as_from_a_terminal)
     try:
         m = _the_job(data)
         wait_for(lambda: (lambda p: p.count("committed") >= 1 and p.count("running") >= 1)(job_progress(m)),
@@ -111,6 +111,13 @@ def test_ctrl_c_hands_back_and_the_same_command_resumes(tmp_path):
                            text=True, env=_env(), timeout=300)
     assert other.returncode == 2, other.stderr
     assert "started with other input files or settings" in other.stderr
+
+
+def _as_from_a_terminal() -> None:
+    """A terminal's default SIGINT in the child: a test run started in the background by a
+    non-interactive shell (`cmd &`) inherits SIGINT ignored, so Python never turns it into
+    KeyboardInterrupt and the Ctrl-C this test sends would be lost (seen in a backgrounded CI run)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _worker_pids(m) -> set[int]:
