@@ -364,7 +364,7 @@ def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, h
 
 def default_rounds(baseline: str, constrained_share: float | None) -> int:
     """Rounds when --rounds is not given: 2 where a ratio near 1 is the point (vLLM, structured output's
-    cost), since one engine's alternated runs moved by up to 12% on a shared 2-core VM; else 1."""
+    cost), since one engine's alternated runs moved by 12-15% on shared 2-core VMs; else 1."""
     return 2 if constrained_share or baseline in ("vllm", "all") else 1
 
 

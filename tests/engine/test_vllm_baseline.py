@@ -291,7 +291,6 @@ def test_bench_rounds_alternate_with_vllm_and_report_each(tmp_path, monkeypatch)
     assert len(engine_runs) == 3 and report["results"][0] in engine_runs
 
 
-
 @pytest.mark.parametrize("baseline, share, rounds", [("none", None, 1), ("hf", None, 1), ("vllm", None, 2),
                                                       ("all", None, 2), ("none", 0.5, 2)])
 def test_default_rounds_alternate_where_a_ratio_is_quoted(baseline, share, rounds):
