@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_gemm, ops
+from kernels.decode_layers import DecodeLayers
 from kernels.metadata import AttentionMetadata
 
 
@@ -145,6 +146,7 @@ class Transformer(nn.Module):
         # a tied lm_head as a Linear over the embedding's tensor: packing swaps in a packed one
         # (the head's only copy of its own; the embedding keeps the plain rows for lookups)
         self.tied_head: nn.Linear | None = None
+        self.decode_layers = DecodeLayers(self)  # not a module: holds pointers into this one's weights
 
     def pack_weights(self) -> bool:
         """Pack every projection's weight (and the lm_head's) in place for the CPU's packed GEMMs
@@ -165,9 +167,13 @@ class Transformer(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, dim)."""
         x = self.embed_tokens(input_ids)  # (T, dim)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.cos_sin, kv_cache, meta)
+        fused = self.decode_layers.run(x, positions, kv_caches, meta)  # a CPU decode step: one native call
+        if fused is not None:
+            x, residual = fused
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, positions, self.cos_sin, kv_cache, meta)
         x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.args.norm_eps)
         return x
 

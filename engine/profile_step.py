@@ -5,12 +5,15 @@ steps with torch.profiler and prints the top ops by self CPU time, plus the shar
 spent outside the model's forward (schedule, prepare, sample, stops: per-step Python work). Each
 `kernels.ops` call is a labelled range (`ops.rms_norm`, ...), so the native C kernels, which the
 profiler cannot see inside, show as those ranges' self time (the kernel plus its Python launcher).
+Where a decode step's layers run as one native call (kernels/decode_layers.py), the step is timed
+that way and again op by op, and the table is made op by op.
 Numbers, not pass/fail; on a shared machine compare shares within one run, not absolute times.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import click
@@ -69,6 +72,19 @@ def labelled_ops():
             setattr(ops, name, fn)
 
 
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
+
+
 @click.command()
 @engine_options
 @click.option("--num-seqs", type=int, default=64, show_default=True, help="sequences decoding together")
@@ -81,6 +97,7 @@ def main(num_seqs, prompt_len, steps, top, **engine_kw):
 
     from engine.bench import build_llm, make_workload
     from engine.sampling_params import SamplingParams
+    from kernels import decode_layers
 
     llm = build_llm(engine_config(engine_kw))
     engine = llm.engine
@@ -93,11 +110,18 @@ def main(num_seqs, prompt_len, steps, top, **engine_kw):
         engine.step()
     _decode_steps(engine, 3)  # warm
     total, inside = _decode_steps(engine, steps)
+    fused = engine.runner.model.decode_layers.ok and decode_layers.enabled()
     click.echo(f"dtype {llm.config.dtype} ({llm.config.dtype_reason}), {num_seqs} sequences, "
                f"{torch.get_num_threads()} threads: {total / steps * 1e3:.1f} ms a decode step, "
-               f"{(total - inside) / total:.0%} of it outside the model's forward")
-    with labelled_ops(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        _decode_steps(engine, steps)
+               f"{(total - inside) / total:.0%} of it outside the model's forward"
+               + (" (the layers in one native call)" if fused else ""))
+    # the table op by op: the fused call (kernels/decode_layers.py) would show as one opaque range
+    with _env(decode_layers.ENV, "0"):
+        if fused:
+            total, _ = _decode_steps(engine, steps)
+            click.echo(f"op by op ({decode_layers.ENV}=0): {total / steps * 1e3:.1f} ms a decode step")
+        with labelled_ops(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _decode_steps(engine, steps)
     click.echo(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 # included by SOURCE: part of the build's key
-HEADERS = [SOURCE.with_name("cpu_kernels_typed.h"), SOURCE.with_name("cpu_gemm.h")]
+HEADERS = [SOURCE.with_name(name) for name in ("cpu_kernels_typed.h", "cpu_gemm.h", "cpu_decode.h")]
 # the storage types the typed kernels are built for, and their functions' name suffixes
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # -fassociative-math lets the compiler vectorise the dot-product reductions; no -ffinite-math-only

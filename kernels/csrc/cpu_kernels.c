@@ -448,3 +448,4 @@ void argmax_rows_f32(const float *x, int64_t x_stride, int64_t rows, int64_t col
 }
 
 #include "cpu_gemm.h"
+#include "cpu_decode.h"

@@ -1,0 +1,155 @@
+"""A decode step's layers in one native call (kernels/decode_layers.py, csrc/cpu_decode.h): the same
+results, bit for bit, as the per-op path; every step it does not take falls back to that path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model import PRESETS, Transformer
+from kernels import cpu_gemm, cpu_native, decode_layers, ops
+from kernels.metadata import build_attention_metadata
+
+PANEL_NEEDS = {torch.float32: cpu_native.FEATURE_AVX512, torch.bfloat16: cpu_native.FEATURE_DP_BF16}
+BLOCK, NUM_BLOCKS = 16, 24
+
+
+def _model(dtype, seed=0):
+    if not cpu_native.features() & PANEL_NEEDS[dtype]:
+        pytest.skip(f"the panel GEMM has no {dtype} code in this build "
+                    "(fp32 needs AVX-512, bf16 AVX512-BF16)")
+    torch.manual_seed(seed)
+    model = Transformer(PRESETS["tiny"]).eval().to(dtype)
+    with torch.no_grad():
+        for layer in model.layers:  # norms away from 1, so a norm wired wrong shows
+            layer.input_layernorm.add_(torch.randn_like(layer.input_layernorm) * 0.2)
+            layer.post_attention_layernorm.add_(torch.randn_like(layer.post_attention_layernorm) * 0.2)
+    model.init_rope(512)
+    assert model.pack_weights()
+    return model
+
+
+def _caches(model, dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, BLOCK, model.args.n_kv_heads, model.args.head_dim)
+    return [(torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+            for _ in model.layers]
+
+
+def _decode_step(model, context_lens, seed=2):
+    """Inputs of a decode step: one new token per sequence, each sequence its own blocks."""
+    g = torch.Generator().manual_seed(seed)
+    tables, start = [], 0
+    for n in context_lens:
+        blocks = -(-n // BLOCK)
+        tables.append(list(range(start, start + blocks)))
+        start += blocks
+    assert start <= NUM_BLOCKS
+    meta = build_attention_metadata([1] * len(context_lens), context_lens, tables, BLOCK)
+    ids = torch.randint(0, model.args.vocab_size, (len(context_lens),), generator=g)
+    positions = torch.tensor([n - 1 for n in context_lens], dtype=torch.int64)
+    return ids, positions, meta
+
+
+def _per_op(model, ids, positions, caches, meta, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setenv(decode_layers.ENV, "0")
+        with torch.inference_mode():
+            return model(ids, positions, caches, meta)
+
+
+CONTEXTS = [[1], [1, 17, 33, 5, 60, 16, 32], [100, 2, 64]]
+
+
+@pytest.mark.parametrize("context_lens", CONTEXTS, ids=lambda c: f"{len(c)}seqs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_decode_is_bit_identical_to_the_per_op_path(dtype, context_lens, monkeypatch):
+    model = _model(dtype)
+    ids, positions, meta = _decode_step(model, context_lens)
+    fused_caches, op_caches = _caches(model, dtype), _caches(model, dtype)
+    with torch.inference_mode():
+        x = model.embed_tokens(ids)
+        got = model.decode_layers.run(x, positions, fused_caches, meta)
+        assert got is not None and model.decode_layers.last_error == 0  # the fused path ran
+        hidden = model(ids, positions, fused_caches, meta)
+    residual = None
+    with monkeypatch.context() as m, torch.inference_mode():
+        m.setenv(decode_layers.ENV, "0")
+        for layer, kv in zip(model.layers, op_caches, strict=True):
+            x, residual = layer(x, residual, positions, model.cos_sin, kv, meta)
+    assert torch.equal(got[0], x) and torch.equal(got[1], residual)
+    assert torch.equal(hidden, _per_op(model, ids, positions, _caches(model, dtype), meta, monkeypatch))
+    for (kf, vf), (ko, vo) in zip(fused_caches, op_caches, strict=True):
+        assert torch.equal(kf, ko) and torch.equal(vf, vo)  # the same keys and values stored
+
+
+def test_steps_it_does_not_take_go_op_by_op(monkeypatch):
+    model = _model(torch.float32)
+    caches = _caches(model, torch.float32)
+    ids, positions, meta = _decode_step(model, [5, 9])
+    with torch.inference_mode():
+        x = model.embed_tokens(ids)
+        assert model.decode_layers.run(x, positions, caches, meta) is not None
+        # a prefill chunk in the step
+        mixed = build_attention_metadata([1, 3], [5, 9], [[0], [1]], BLOCK)
+        x3 = model.embed_tokens(torch.tensor([1, 2, 3, 4]))
+        assert model.decode_layers.run(x3, torch.tensor([4, 6, 7, 8]), caches, mixed) is None
+        with monkeypatch.context() as m:  # switched off
+            m.setenv(decode_layers.ENV, "0")
+            assert model.decode_layers.run(x, positions, caches, meta) is None
+        with monkeypatch.context() as m:  # the native kernels off
+            m.setenv(cpu_native.ENV_SWITCH, "0")
+            assert model.decode_layers.run(x, positions, caches, meta) is None
+        ops.set_backend("torch")
+        try:
+            assert model.decode_layers.run(x, positions, caches, meta) is None
+        finally:
+            ops.set_backend(None)
+        # a dtype the layers were not built for
+        assert model.decode_layers.run(x.double(), positions, caches, meta) is None
+        assert model.decode_layers.run(x, positions, caches, meta) is not None  # rebuilt for fp32 again
+
+
+def test_weights_not_in_panels_go_op_by_op(monkeypatch):
+    model = _model(torch.float32)
+    caches = _caches(model, torch.float32)
+    ids, positions, meta = _decode_step(model, [5, 9])
+    ops.unpack_linears(model)
+    with torch.inference_mode():
+        assert model.decode_layers.run(model.embed_tokens(ids), positions, caches, meta) is None
+        assert not model.decode_layers.ok
+    monkeypatch.setenv("BATCHGEN_GEMM", "onednn")  # oneDNN's packing instead of panels
+    assert model.pack_weights() and not cpu_gemm.is_panels(model.layers[0].mlp.down_proj.weight)
+    with torch.inference_mode():
+        assert model.decode_layers.run(model.embed_tokens(ids), positions, caches, meta) is None
+
+
+def test_new_weights_are_picked_up(monkeypatch):
+    """Repacked weights move: the fused path follows them instead of reading the old ones."""
+    model = _model(torch.float32)
+    ids, positions, meta = _decode_step(model, [7, 20])
+    with torch.inference_mode():
+        model(ids, positions, _caches(model, torch.float32), meta)
+        ops.unpack_linears(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.5)
+        assert model.pack_weights()
+        got = model(ids, positions, _caches(model, torch.float32), meta)
+    assert model.decode_layers.ok
+    assert torch.equal(got, _per_op(model, ids, positions, _caches(model, torch.float32), meta, monkeypatch))
+
+
+def test_a_failing_kernel_hands_the_step_to_the_per_op_path_and_its_error():
+    """A slot past the cache: the C call stops, names the layer and op, and the per-op path raises
+    store_kv_cache's own error."""
+    model = _model(torch.float32)
+    caches = _caches(model, torch.float32)
+    ids, positions, meta = _decode_step(model, [5, 9])
+    meta.slot_mapping[1] = NUM_BLOCKS * BLOCK  # one past the last slot
+    with torch.inference_mode():
+        assert model.decode_layers.run(model.embed_tokens(ids), positions, caches, meta) is None
+        assert model.decode_layers.last_error == 1 * 8 + 3  # layer 0, DECODE_ERR_STORE
+        assert decode_layers.ERRORS[model.decode_layers.last_error % 8] == "store_kv_cache"
+        with pytest.raises(IndexError, match="token 1 has slot 384, outside the cache's 384 slots"):
+            model(ids, positions, caches, meta)
