@@ -59,11 +59,11 @@ def _fn(dtype: torch.dtype):
 class DecodeLayers:
     """For one Transformer (engine/model.py): run(x, positions, kv_caches, meta) -> (x, residual) after
     its last layer, or None where the step is not one this path takes (the caller then runs the
-    layers op by op). Rebuilt whenever a weight, a cache or the rotary table moved."""
+    layers op by op). Rebuilt whenever a weight, a cache or the rotary table moved or changed shape."""
 
     def __init__(self, model) -> None:
         self._model = weakref.ref(model)  # the model holds this: no cycle
-        self.key: list[int] | None = None
+        self.key: list | None = None
         self.ok = False
         self.last_error = 0  # the C call's last nonzero status (layer + 1) * 8 + DECODE_ERR_*, for tests
         self.layers = None
@@ -147,8 +147,8 @@ class DecodeLayers:
                 or len(meta.query_lens_cpu) != rows):
             return None
         tensors = self._tensors(kv_caches)
-        try:
-            key = [t.data_ptr() for t in tensors]
+        try:  # where each tensor is and its shape (a weight's form shows in it: plain, panels)
+            key = [(t.data_ptr(), t.shape) for t in tensors]
         except RuntimeError:  # oneDNN's packed weights (BATCHGEN_GEMM=onednn) have no data pointer
             return None
         if key != self.key or x.dtype != self.dtype:

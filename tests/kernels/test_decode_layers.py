@@ -153,3 +153,19 @@ def test_a_failing_kernel_hands_the_step_to_the_per_op_path_and_its_error():
         assert decode_layers.ERRORS[model.decode_layers.last_error % 8] == "store_kv_cache"
         with pytest.raises(IndexError, match="token 1 has slot 384, outside the cache's 384 slots"):
             model(ids, positions, caches, meta)
+
+
+def test_a_weight_that_changes_form_in_place_is_not_read_as_panels():
+    """The same memory seen as a plain (N, K) weight: the shape is part of what is checked, not only
+    where the tensor is."""
+    model = _model(torch.float32)
+    caches = _caches(model, torch.float32)
+    ids, positions, meta = _decode_step(model, [5, 9])
+    with torch.inference_mode():
+        x = model.embed_tokens(ids)
+        assert model.decode_layers.run(x, positions, caches, meta) is not None
+        proj = model.layers[1].mlp.down_proj
+        plain = proj.weight.reshape(model.args.dim, model.args.intermediate_size)
+        assert plain.data_ptr() == proj.weight.data_ptr() and not cpu_gemm.is_panels(plain)
+        proj.weight = torch.nn.Parameter(plain, requires_grad=False)
+        assert model.decode_layers.run(x, positions, caches, meta) is None and not model.decode_layers.ok
