@@ -13,6 +13,7 @@ kernel that declines or fails) takes the per-op path, which raises that op's own
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import weakref
 
@@ -21,6 +22,7 @@ import torch
 from kernels import cpu_gemm, cpu_native
 
 ENV = "BATCHGEN_FUSED_DECODE"
+log = logging.getLogger(__name__)
 
 
 class _Layer(ctypes.Structure):
@@ -154,6 +156,9 @@ class DecodeLayers:
         if key != self.key or x.dtype != self.dtype:
             self.key = key
             self.ok = self._build(tensors, x.dtype)
+            if self.ok:
+                log.info("CPU decode steps (%s): the %d layers in one native call (%s=0: op by op)",
+                         x.dtype, len(self.layers), ENV)
         if not self.ok or x.stride(1) != 1 or x.stride(0) != x.shape[1]:
             return None
         from kernels import ops  # the backend is read per call (BATCHGEN_KERNELS, ops.set_backend)

@@ -169,3 +169,16 @@ def test_a_weight_that_changes_form_in_place_is_not_read_as_panels():
         assert plain.data_ptr() == proj.weight.data_ptr() and not cpu_gemm.is_panels(plain)
         proj.weight = torch.nn.Parameter(plain, requires_grad=False)
         assert model.decode_layers.run(x, positions, caches, meta) is None and not model.decode_layers.ok
+
+
+def test_the_log_says_once_that_decode_steps_take_one_call(caplog):
+    model = _model(torch.bfloat16 if cpu_native.features() & cpu_native.FEATURE_DP_BF16 else torch.float32)
+    dtype = model.embed_tokens.weight.dtype
+    caches = _caches(model, dtype)
+    ids, positions, meta = _decode_step(model, [3, 4])
+    with caplog.at_level("INFO", logger="kernels.decode_layers"), torch.inference_mode():
+        for _ in range(3):
+            model(ids, positions, caches, meta)
+    said = [r.getMessage() for r in caplog.records if r.name == "kernels.decode_layers"]
+    assert said == [f"CPU decode steps ({dtype}): the 2 layers in one native call (BATCHGEN_FUSED_DECODE=0: "
+                    "op by op)"]
