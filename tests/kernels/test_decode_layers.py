@@ -83,13 +83,20 @@ def test_fused_decode_is_bit_identical_to_the_per_op_path(dtype, context_lens, m
         assert torch.equal(kf, ko) and torch.equal(vf, vo)  # the same keys and values stored
 
 
-def test_steps_it_does_not_take_go_op_by_op(monkeypatch):
+def _fused_fp32_step(context_lens=(5, 9)):
+    """An fp32 model, its caches and a decode step's inputs that the fused path has just taken."""
     model = _model(torch.float32)
     caches = _caches(model, torch.float32)
-    ids, positions, meta = _decode_step(model, [5, 9])
+    ids, positions, meta = _decode_step(model, list(context_lens))
     with torch.inference_mode():
         x = model.embed_tokens(ids)
         assert model.decode_layers.run(x, positions, caches, meta) is not None
+    return model, caches, x, positions, meta
+
+
+def test_steps_it_does_not_take_go_op_by_op(monkeypatch):
+    model, caches, x, positions, meta = _fused_fp32_step()
+    with torch.inference_mode():
         # a prefill chunk in the step
         mixed = build_attention_metadata([1, 3], [5, 9], [[0], [1]], BLOCK)
         x3 = model.embed_tokens(torch.tensor([1, 2, 3, 4]))
@@ -158,12 +165,8 @@ def test_a_failing_kernel_hands_the_step_to_the_per_op_path_and_its_error():
 def test_a_weight_that_changes_form_in_place_is_not_read_as_panels():
     """The same memory seen as a plain (N, K) weight: the shape is part of what is checked, not only
     where the tensor is."""
-    model = _model(torch.float32)
-    caches = _caches(model, torch.float32)
-    ids, positions, meta = _decode_step(model, [5, 9])
+    model, caches, x, positions, meta = _fused_fp32_step()
     with torch.inference_mode():
-        x = model.embed_tokens(ids)
-        assert model.decode_layers.run(x, positions, caches, meta) is not None
         proj = model.layers[1].mlp.down_proj
         plain = proj.weight.reshape(model.args.dim, model.args.intermediate_size)
         assert plain.data_ptr() == proj.weight.data_ptr() and not cpu_gemm.is_panels(plain)
