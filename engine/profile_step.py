@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from unittest import mock
 
 import click
 
@@ -72,19 +73,6 @@ def labelled_ops():
             setattr(ops, name, fn)
 
 
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    saved = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = saved
-
-
 @click.command()
 @engine_options
 @click.option("--num-seqs", type=int, default=64, show_default=True, help="sequences decoding together")
@@ -116,7 +104,7 @@ def main(num_seqs, prompt_len, steps, top, **engine_kw):
                f"{(total - inside) / total:.0%} of it outside the model's forward"
                + (" (the layers in one native call)" if fused else ""))
     # the table op by op: the fused call (kernels/decode_layers.py) would show as one opaque range
-    with _env(decode_layers.ENV, "0"):
+    with mock.patch.dict(os.environ, {decode_layers.ENV: "0"}):
         if fused:
             total, _ = _decode_steps(engine, steps)
             click.echo(f"op by op ({decode_layers.ENV}=0): {total / steps * 1e3:.1f} ms a decode step")

@@ -7,11 +7,9 @@ name"; the project pins transformers below 5.25 and `make setup` removes that di
 
 # what transformers imports from Hugging Face's `kernels` (transformers/integrations/hub_kernels.py)
 _HUB_KERNELS_NAMES = frozenset({
-    "CUDAProperties", "Device", "FuncRepository", "KernelizeFallback", "LayerRepository",
-    "LocalFuncRepository", "LocalLayerRepository", "Mode", "ROCMProperties", "get_kernel", "kernelize",
-    "register_kernel_mapping",
-    "replace_kernel_forward_from_hub", "use_kernel_forward_from_hub", "use_kernel_func_from_hub",
-    "use_kernel_mapping", "use_kernelized_func",
+    "CUDAProperties", "Device", "KernelizeFallback", "LayerRepository", "LocalLayerRepository", "Mode",
+    "ROCMProperties", "get_kernel", "kernelize", "register_kernel_mapping", "replace_kernel_forward_from_hub",
+    "use_kernel_forward_from_hub", "use_kernel_mapping", "use_kernelized_func",
 })
 
 

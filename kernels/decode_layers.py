@@ -67,7 +67,7 @@ class DecodeLayers:
         self._model = weakref.ref(model)  # the model holds this: no cycle
         self.key: list | None = None
         self.ok = False
-        self.last_error = 0  # the C call's last nonzero status (layer + 1) * 8 + DECODE_ERR_*, for tests
+        self.last_error = 0  # the C call's last status: 0, or (layer + 1) * 8 + DECODE_ERR_* (ERRORS)
         self.layers = None
         self.dtype: torch.dtype | None = None
         self.workspace: dict[str, torch.Tensor] = {}
@@ -86,7 +86,7 @@ class DecodeLayers:
         out.append(self.model.cos_sin)
         return out
 
-    def _build(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> bool:
+    def _build(self, tensors: list[torch.Tensor], pointers: list[int], dtype: torch.dtype) -> bool:
         """Whether every layer fits the fused path (the checks the per-op wrappers make once a call)."""
         args = self.model.args
         q_size, kv_size = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
@@ -118,7 +118,7 @@ class DecodeLayers:
                     or (cache_shape is not None and k_cache.shape[:2] != cache_shape)):
                 return False
             cache_shape = k_cache.shape[:2]
-            layers[i] = _Layer(*(t.data_ptr() for t in tensors[8 * i:8 * i + 8]))
+            layers[i] = _Layer(*pointers[8 * i:8 * i + 8])
         cos_sin = tensors[-1]
         if cos_sin.dtype != dtype or not cos_sin.is_contiguous() or cos_sin.shape[-1] != args.head_dim:
             return False
@@ -126,7 +126,7 @@ class DecodeLayers:
         s.dim, s.n_heads, s.n_kv_heads, s.head_dim = args.dim, args.n_heads, args.n_kv_heads, args.head_dim
         s.qkv_n, s.inter = qkv_n, inter
         s.block_size, s.num_slots = cache_shape[1], cache_shape[0] * cache_shape[1]
-        s.max_len, s.cos_sin = cos_sin.shape[0], cos_sin.data_ptr()
+        s.max_len, s.cos_sin = cos_sin.shape[0], pointers[-1]
         s.eps, s.scale = args.norm_eps, args.head_dim ** -0.5
         self.layers = layers
         self.workspace = {}
@@ -155,7 +155,7 @@ class DecodeLayers:
             return None
         if key != self.key or x.dtype != self.dtype:
             self.key = key
-            self.ok = self._build(tensors, x.dtype)
+            self.ok = self._build(tensors, [p for p, _ in key], x.dtype)
             if self.ok:
                 log.info("CPU decode steps (%s): the %d layers in one native call (%s=0: op by op)",
                          x.dtype, len(self.layers), ENV)
@@ -179,6 +179,8 @@ class DecodeLayers:
         s.context_lens = lens.data_ptr()
         self.last_error = self.fn(ctypes.addressof(s), ctypes.addressof(self.layers), len(self.layers))
         if self.last_error:
+            log.debug("fused decode: layer %d's %s stopped; the step runs op by op", self.last_error // 8 - 1,
+                      ERRORS.get(self.last_error % 8, self.last_error % 8))
             return None
         return ws["x"][:rows], ws["res"][:rows]
 

@@ -147,17 +147,18 @@ def test_new_weights_are_picked_up(monkeypatch):
     assert torch.equal(got, _per_op(model, ids, positions, _caches(model, torch.float32), meta, monkeypatch))
 
 
-def test_a_failing_kernel_hands_the_step_to_the_per_op_path_and_its_error():
+def test_a_failing_kernel_hands_the_step_to_the_per_op_path_and_its_error(caplog):
     """A slot past the cache: the C call stops, names the layer and op, and the per-op path raises
     store_kv_cache's own error."""
     model = _model(torch.float32)
     caches = _caches(model, torch.float32)
     ids, positions, meta = _decode_step(model, [5, 9])
     meta.slot_mapping[1] = NUM_BLOCKS * BLOCK  # one past the last slot
-    with torch.inference_mode():
+    with torch.inference_mode(), caplog.at_level("DEBUG", logger="kernels.decode_layers"):
         assert model.decode_layers.run(model.embed_tokens(ids), positions, caches, meta) is None
         assert model.decode_layers.last_error == 1 * 8 + 3  # layer 0, DECODE_ERR_STORE
         assert decode_layers.ERRORS[model.decode_layers.last_error % 8] == "store_kv_cache"
+        assert "layer 0's store_kv_cache stopped; the step runs op by op" in caplog.text
         with pytest.raises(IndexError, match="token 1 has slot 384, outside the cache's 384 slots"):
             model(ids, positions, caches, meta)
 
