@@ -29,6 +29,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """The first processor's `vendor_id` from /proc/cpuinfo ('GenuineIntel', 'AuthenticAMD'; empty
+    where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("vendor_id")), "")
+    return line.partition(":")[2].strip()
+
+
 def bf16_feature(flags: frozenset[str] | None = None) -> str | None:
     """The CPU feature that makes bf16 native ('amx_bf16', 'avx512_bf16'), or None."""
     flags = cpu_flags() if flags is None else flags

@@ -40,6 +40,11 @@ PANEL = 64  # output columns a panel (GEMM_NR in csrc/cpu_gemm.h)
 PACK_BATCH_HINT = 128  # oneDNN picks its blocking for this many rows; measured good from M=8 to 2048
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 EPI_SILU, EPI_F32_OUT = 1, 2  # the panel kernel's epilogues (GEMM_SILU, GEMM_F32_OUT in csrc/cpu_gemm.h)
+# A prefill's plain products (no SiLU, residual or fp32 logits) from this many rows go through torch.mm
+# on the panels unpacked for the call, where unpack_rows() says that is faster on this CPU.
+# BATCHGEN_PREFILL_GEMM=panels keeps the panels at every row count.
+PREFILL_GEMM_ENV = "BATCHGEN_PREFILL_GEMM"
+UNPACK_ROWS = 4096
 
 
 def enabled() -> bool:
@@ -169,6 +174,22 @@ def linear_native(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return linear_panels(x, packed)
 
 
+def unpack_rows(dtype: torch.dtype) -> int | None:
+    """Rows from which a plain product over panels of dtype runs as torch.mm on the unpacked weight,
+    or None where it never does. Measured on a 2-core AMX Xeon at 8192 rows (ms, panels against
+    unpack + mm): bf16 576 -> 960 7.9 against 4.0, 1536 -> 576 7.6 / 6.9; fp32 35.4 / 30.7 and
+    52.5 / 46.0; with the SiLU epilogue the panels won (bf16 16.2 / 18.9), so gate/up stays. oneDNN's
+    AMX tiles run bf16's mm; MKL's AVX-512 code fp32's on Intel (on AMD it takes AVX2, slower than
+    the panels). Unpacking costs 0.1-0.7 ms a weight, about what mm saves at 2048 rows."""
+    if os.environ.get(PREFILL_GEMM_ENV, "").lower() == "panels":
+        return None
+    if dtype == torch.bfloat16:
+        return UNPACK_ROWS if amx_in_use() else None
+    if dtype == torch.float32:
+        return UNPACK_ROWS if cpu_features.cpu_vendor() == "GenuineIntel" else None
+    return None
+
+
 def linear_panels(x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor | None = None,
                   n: int | None = None, silu: bool = False,
                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -191,6 +212,10 @@ def linear_panels(x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor 
                                  or residual.stride(-1) != 1):
         raise ValueError(f"linear_panels: residual {tuple(residual.shape)} {residual.dtype} is not "
                          f"({t}, {n}) {x.dtype} with contiguous rows")
+    rows = None if silu or f32_out or residual is not None else unpack_rows(x.dtype)
+    if rows is not None and t >= rows:
+        torch.mm(x, unpack_panels(panels)[:n].t(), out=out)
+        return out
     fn = cpu_native.kernel("gemm", x.dtype)
     epilogue = EPI_F32_OUT if f32_out else EPI_SILU if silu else 0
     rc = fn(x.data_ptr(), x.stride(0), t, k, panels.data_ptr(), n, out.data_ptr(), n,

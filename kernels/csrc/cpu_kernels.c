@@ -313,6 +313,7 @@ static void amx_shapes(const int rows[8], const int colsb[8]) {
 #else
 #define HAVE_AMX 0
 #endif
+#define PREFILL_AMX_MIN_Q 16 /* query tokens from which a prefill chunk's attention runs on AMX tiles */
 
 /* Whether the kernels use AMX tiles: enable 1 (asking Linux for them once) or 0 switches, -1 only
  * asks; returns 1 when they do (built with AMX, tiles granted, switched on). */

@@ -291,6 +291,52 @@ def test_amx_tiles_match_the_exact_product_and_the_vector_kernel(threads, vdpbf1
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_a_prefill_sized_product_runs_as_mm_on_the_unpacked_weight(dtype, monkeypatch):
+    """From unpack_rows() rows on, a plain product over panels is torch.mm on the weight unpacked for
+    the call (the same numbers to the bit, a partial last panel and strided rows of x included);
+    below it, and with the SiLU, residual or fp32-logits epilogues, the panel kernel runs as before."""
+    _skip_without_panels(dtype)
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(192, 96, generator=gen) * 0.1).to(dtype)
+    panels, pairs = cpu_gemm.pack_panels(w), cpu_gemm.pack_gate_up(w)
+    x = torch.randn(40, 128, generator=gen).to(dtype)[:, 16:112]
+    res = torch.randn(40, 150, dtype=dtype, generator=gen)
+    monkeypatch.setattr(cpu_gemm, "unpack_rows", lambda d: None)
+    kernel = {"plain": cpu_gemm.linear_panels(x, panels, n=150),
+              "short": cpu_gemm.linear_panels(x[:39], panels),
+              "silu": cpu_gemm.linear_panels(x, pairs, silu=True),
+              "residual": cpu_gemm.linear_panels(x, panels, residual=res, n=150)}
+    monkeypatch.setattr(cpu_gemm, "unpack_rows", lambda d: 40)
+    assert torch.equal(cpu_gemm.linear_panels(x, panels, n=150), torch.mm(x, w[:150].t()))
+    assert torch.equal(cpu_gemm.linear_panels(x[:39], panels), kernel["short"])
+    assert torch.equal(cpu_gemm.linear_panels(x, pairs, silu=True), kernel["silu"])
+    assert torch.equal(cpu_gemm.linear_panels(x, panels, residual=res, n=150), kernel["residual"])
+    if dtype == torch.bfloat16:
+        monkeypatch.setattr(cpu_gemm, "unpack_rows", lambda d: None)
+        logits = cpu_gemm.linear_panels(x, panels, out_dtype=torch.float32)
+        monkeypatch.setattr(cpu_gemm, "unpack_rows", lambda d: 40)
+        assert torch.equal(cpu_gemm.linear_panels(x, panels, out_dtype=torch.float32), logits)
+
+
+def test_unpack_rows_follows_the_cpu_and_the_switch(monkeypatch):
+    """bf16 goes to mm where the panels run on AMX (oneDNN's tiles beat them at prefill sizes); fp32
+    on Intel CPUs (MKL's AVX-512 code), never on AMD ones (MKL takes AVX2 there); never with
+    BATCHGEN_PREFILL_GEMM=panels, nor for another dtype."""
+    monkeypatch.delenv(cpu_gemm.PREFILL_GEMM_ENV, raising=False)
+    for amx, vendor, bf16, fp32 in [(True, "GenuineIntel", cpu_gemm.UNPACK_ROWS, cpu_gemm.UNPACK_ROWS),
+                                    (False, "GenuineIntel", None, cpu_gemm.UNPACK_ROWS),
+                                    (False, "AuthenticAMD", None, None)]:
+        monkeypatch.setattr(cpu_gemm, "amx_in_use", lambda amx=amx: amx)
+        monkeypatch.setattr(cpu_gemm.cpu_features, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert (cpu_gemm.unpack_rows(torch.bfloat16), cpu_gemm.unpack_rows(torch.float32)) == (bf16, fp32)
+        assert cpu_gemm.unpack_rows(torch.float16) is None
+    monkeypatch.setenv(cpu_gemm.PREFILL_GEMM_ENV, "panels")
+    monkeypatch.setattr(cpu_gemm, "amx_in_use", lambda: True)
+    monkeypatch.setattr(cpu_gemm.cpu_features, "cpu_vendor", lambda: "GenuineIntel")
+    assert cpu_gemm.unpack_rows(torch.bfloat16) is None and cpu_gemm.unpack_rows(torch.float32) is None
+
+
 @pytest.mark.parametrize("tiles", ["amx", "vector"])
 def test_bf16_logits_come_out_as_the_unrounded_fp32_accumulators(tiles, vdpbf16ps):
     """out_dtype=float32: the fp32 sums as they are (within fp32 error of float64), where bf16

@@ -484,6 +484,38 @@ def test_tiled_prefill_gives_the_same_answer_on_any_thread_count_and_strided_que
     assert torch.equal(_tiled_prefill(inputs, 2, q=fused[:, :9]), one)
 
 
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (16, 2, 64)])
+def test_prefill_chunks_of_16_queries_on_amx_tiles_match_the_vector_kernel(num_q_heads, num_kv_heads,
+                                                                         head_dim, monkeypatch):
+    """On an AMX CPU a sequence's chunk of 16 or more queries (head dim 32 or 64) runs on tiles, the
+    shorter ones and decodes beside it on vector code: both within bf16 rounding of the reference and
+    of the vector kernel alone (BATCHGEN_AMX=0), which differs from it (the tiles ran), and never
+    reading outside a context (nan there)."""
+    from kernels import cpu_gemm
+
+    if not (_dp_bf16() and cpu_gemm.amx_in_use()):
+        pytest.skip("no AMX tiles here (CPU, compiler or Linux): the vector kernel, tested above, runs")
+    query_lens, context_lens = [1, 15, 16, 17, 40, 130, 64], [9, 20, 16, 33, 100, 300, 64]
+    inputs = make_paged_inputs(query_lens, context_lens, num_q_heads, num_kv_heads, head_dim, 16,
+                               dtype=torch.bfloat16, garbage=float("nan"))
+    tiles = _tiled_prefill(inputs)
+    monkeypatch.setenv(cpu_native.AMX_ENV, "0")
+    try:
+        assert not cpu_gemm.amx_in_use()
+        vector = _tiled_prefill(inputs)
+    finally:
+        monkeypatch.delenv(cpu_native.AMX_ENV)
+        assert cpu_gemm.amx_in_use()
+    ref = paged_prefill_attention_ref(inputs.q.float(), inputs.k_cache.float(), inputs.v_cache.float(),
+                                      inputs.meta.block_tables, query_lens, context_lens, inputs.scale)
+    ref = ref[inputs.meta.num_decode_tokens:]  # a prefill call's rows: the chunks after the decode
+    assert not tiles.isnan().any()
+    torch.testing.assert_close(tiles.float(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(tiles, vector, atol=2e-2, rtol=2e-2)
+    assert not torch.equal(tiles, vector)
+    assert torch.equal(tiles[:15], vector[:15])  # the 15-query chunk (the decode is not in a prefill's rows)
+
+
 def test_tiled_prefill_declines_what_it_does_not_take_and_ops_fall_back_to_rows(monkeypatch):
     bf = make_paged_inputs([5, 9], [5, 20], 9, 3, 64, 16, dtype=torch.bfloat16)
     assert _tiled_prefill(make_paged_inputs([5, 9], [5, 20], 9, 3, 64, 16)) is None  # fp32
