@@ -184,6 +184,15 @@ class Transformer(nn.Module):
             return ops.linear_logits(hidden, head)
         return nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(S, dim) -> (S,) int64, each row's argmax of its logits, where the head's weight is in the
+        panel kernel's layout: the logits are never written out (kernels/cpu_gemm.argmax_panels).
+        None elsewhere (then compute_logits and an argmax give the same picks)."""
+        head = self.lm_head or self.tied_head
+        if head is None or not cpu_gemm.is_panels(head.weight):
+            return None
+        return cpu_gemm.argmax_panels(hidden, head.weight)
+
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face Llama tensors in, fusing q/k/v and gate/up; every parameter must be set."""

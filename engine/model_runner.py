@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from engine.model import ModelArgs, Transformer
+from engine.sampler import greedy_only
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
@@ -305,7 +306,7 @@ class ModelRunner:
         hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, meta)  # (T, dim)
         if not sample_seqs:
             return hidden.new_empty((0, self.args.vocab_size)), []
-        return self.model.compute_logits(hidden.index_select(0, inputs["sample"])), sample_seqs
+        return self._head(hidden.index_select(0, inputs["sample"]), sample_seqs), sample_seqs
 
     def _execute_decode(self, ordered) -> tuple[torch.Tensor, list[Sequence]]:
         """A decode-only step over the static inputs, padded to its bucket (pad_decodes) and replayed as
@@ -318,18 +319,32 @@ class ModelRunner:
         _, context_lens = self._fill(buf, slices, ordered, sample_rows=False)
         self._pad(buf, slices, num_seqs, size)
         self.staging.upload("step", layout.size)
+        seqs = [s.seq for s in ordered]
         if size in self.graphs:
             graph, logits = self.graphs[size]
             graph.replay()
         else:
-            logits = self._decode_forward(size, context_lens + [1] * (size - num_seqs))
-        return logits[:num_seqs], [s.seq for s in ordered]
+            logits = self._decode_forward(size, context_lens + [1] * (size - num_seqs),
+                                          seqs if size == num_seqs else None)
+        return logits[:num_seqs], seqs
 
-    def _decode_forward(self, size: int, context_lens: list[int]) -> torch.Tensor:
-        """Model + logits over a decode bucket's static inputs (what a CUDA graph captures)."""
+    def _decode_forward(self, size: int, context_lens: list[int], seqs: list[Sequence] | None = None
+                        ) -> torch.Tensor:
+        """Model + logits over a decode bucket's static inputs (what a CUDA graph captures); with the
+        bucket's sequences (unpadded), their picks where _head can make them."""
         layout = _Layout(size, size, size)
         meta, inputs = self._inputs(layout, [1] * size, context_lens)
         hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, meta)
+        return self.model.compute_logits(hidden) if seqs is None else self._head(hidden, seqs)
+
+    def _head(self, hidden: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The sampled rows' logits (S, V) float32; or, where every one of `seqs` takes its argmax and
+        nothing else (engine.sampler.greedy_only), their token ids (S,) int64 from the model's head directly
+        (Transformer.greedy_tokens: the logits are never written), which the sampler passes through."""
+        if greedy_only([s.params for s in seqs]):
+            tokens = self.model.greedy_tokens(hidden)
+            if tokens is not None:
+                return tokens
         return self.model.compute_logits(hidden)
 
     # -- inputs

@@ -21,12 +21,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.staging import Staging
 from engine.structured_output import StructuredOutputs
 from kernels import ops
 
 _MASK64 = (1 << 64) - 1
+
+
+def greedy_only(params: list[SamplingParams]) -> bool:
+    """Whether every row's token is its logits' argmax and nothing else is read from them: greedy,
+    no logprobs, penalties or grammar."""
+    return all(p.greedy and p.logprobs is None and not p.has_penalties and p.constraint is None
+               for p in params)
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
@@ -79,13 +87,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits (S, V) float32 for `seqs` -> one token id per row, and its logprobs when asked."""
+        """logits (S, V) float32 for `seqs` -> one token id per row, and its logprobs when asked; or
+        (S,) int64 token ids the runner picked already (where greedy_only holds)."""
         staging = self.staging or Staging(logits.device)
         params = [s.params for s in seqs]
+        if logits.dim() == 1:  # the runner's picks already (greedy_only: the model's head took the argmax)
+            return staging.fetch(logits).tolist(), [None] * len(seqs)
         constrained = np.flatnonzero([p.constraint is not None for p in params])
-        simple = not constrained.size and all(p.greedy and p.logprobs is None and not p.has_penalties
-                                              for p in params)
-        if simple:  # the common batch case: an argmax and one copy
+        if greedy_only(params):  # the common batch case: an argmax and one copy
             return staging.fetch(ops.argmax(logits)).tolist(), [None] * len(seqs)
         rows = self._rows(seqs)
         raw = logits

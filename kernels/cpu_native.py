@@ -143,6 +143,7 @@ def load() -> ctypes.CDLL | None:
                 "rotary": (i64, [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, i64, i64, i64, i32]),
                 "silu_and_mul": (None, [ptr, i64, ptr, i64, i64, i32]),
                 "gemm": (i32, [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i32, i32]),
+                "gemm_argmax": (i32, [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i32]),
             }
             signatures = {f"{name}_{sfx}": sig for name, sig in typed.items() for sfx in SUFFIXES.values()}
             signatures["store_kv_cache"] = (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64])

@@ -399,6 +399,50 @@ int64_t store_kv_cache(const char *key, int64_t key_stride, const char *value, i
     return 0;
 }
 
+/* The first index of row's largest value, or of its first NaN, as torch.argmax answers; *top gets
+ * that value (NaN for a NaN). cols >= 1. */
+static inline int64_t row_argmax(const float *row, int64_t cols, float *top_out) {
+    int64_t best = 0, j = 0;
+    float top = -INFINITY;
+    int64_t nan_at = -1;
+#if HAVE_AVX512
+    if (cols >= 16) {
+        __m512 mv = _mm512_loadu_ps(row);
+        const __m512i step = _mm512_set1_epi32(16);
+        __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i mi = idx;
+        __mmask16 nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);
+        for (j = 16; !nan && j + 16 <= cols; j += 16) {
+            const __m512 v = _mm512_loadu_ps(row + j);
+            idx = _mm512_add_epi32(idx, step);
+            nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ); /* strict: keeps the first */
+            mv = _mm512_mask_mov_ps(mv, gt, v);
+            mi = _mm512_mask_mov_epi32(mi, gt, idx);
+        }
+        if (nan) { /* the chunk it was found in began at j - 16, the first chunk included */
+            nan_at = j - 16 + __builtin_ctz(nan);
+        } else {
+            top = _mm512_reduce_max_ps(mv);
+            const __mmask16 eq = _mm512_cmp_ps_mask(mv, _mm512_set1_ps(top), _CMP_EQ_OQ);
+            best = _mm512_mask_reduce_min_epi32(eq, mi);
+        }
+    }
+#endif
+    if (nan_at < 0) {
+        for (; j < cols; j++) {
+            const float v = row[j];
+            if (v != v) {
+                nan_at = j;
+                break;
+            }
+            if (v > top) top = v, best = j;
+        }
+    }
+    *top_out = nan_at >= 0 ? NAN : top;
+    return nan_at >= 0 ? nan_at : best;
+}
+
 /* Row-wise argmax of x (rows, cols) fp32 rows x_stride apart into out (rows,) int64: the first index
  * of the row's largest value, or of its first NaN, as torch.argmax answers (the sampler's greedy
  * pick, which torch takes ~10x longer over a vocabulary-wide row). cols < 2^31. */
@@ -406,47 +450,66 @@ void argmax_rows_f32(const float *x, int64_t x_stride, int64_t rows, int64_t col
                      int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMS) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * x_stride;
-        int64_t best = 0, j = 0;
-        float top = -INFINITY;
-        int nan_at = -1;
-#if HAVE_AVX512
-        if (cols >= 16) {
-            __m512 mv = _mm512_loadu_ps(row);
-            const __m512i step = _mm512_set1_epi32(16);
-            __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-            __m512i mi = idx;
-            __mmask16 nan = _mm512_cmp_ps_mask(mv, mv, _CMP_UNORD_Q);
-            for (j = 16; !nan && j + 16 <= cols; j += 16) {
-                const __m512 v = _mm512_loadu_ps(row + j);
-                idx = _mm512_add_epi32(idx, step);
-                nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-                const __mmask16 gt = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ); /* strict: keeps the first */
-                mv = _mm512_mask_mov_ps(mv, gt, v);
-                mi = _mm512_mask_mov_epi32(mi, gt, idx);
-            }
-            if (nan) { /* the chunk it was found in began at j - 16, the first chunk included */
-                nan_at = (int)(j - 16 + __builtin_ctz(nan));
-            } else {
-                top = _mm512_reduce_max_ps(mv);
-                const __mmask16 eq = _mm512_cmp_ps_mask(mv, _mm512_set1_ps(top), _CMP_EQ_OQ);
-                best = _mm512_mask_reduce_min_epi32(eq, mi);
-            }
-        }
+        float top;
+        out[r] = row_argmax(x + r * x_stride, cols, &top);
+    }
+}
+
+/* Fold a block of columns [c0, c0 + cols) of every row (its logits in x, rows x_stride apart) into the
+ * rows' running picks: the block's argmax replaces the pick where it is larger, or NaN where the pick
+ * is not NaN already. Blocks come in column order, so the first maximum (first NaN) stays. */
+static void argmax_fold(const float *x, int64_t x_stride, int64_t rows, int64_t cols, int64_t c0, float *top,
+                        int64_t *idx, const char *next, int64_t next_panels, int64_t panel_bytes, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMS)
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), nth = omp_get_num_threads();
+#else
+        const int t = 0, nth = 1;
 #endif
-        if (nan_at < 0) {
-            for (; j < cols; j++) {
-                const float v = row[j];
-                if (v != v) {
-                    nan_at = (int)j;
-                    break;
-                }
-                if (v > top) top = v, best = j;
-            }
+        /* the first panel of this thread's share of the next block (the GEMM hands each thread an even
+         * run of panels) into L2 meanwhile: otherwise each block's first panels wait on DRAM */
+        if (next) {
+            const char *mine = next + (t * ((next_panels + nth - 1) / nth)) * panel_bytes;
+            if (mine < next + next_panels * panel_bytes)
+                for (int64_t b = 0; b < panel_bytes; b += 64) _mm_prefetch(mine + b, _MM_HINT_T1);
         }
-        out[r] = nan_at >= 0 ? nan_at : best;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float v;
+            const int64_t j = row_argmax(x + r * x_stride, cols, &v);
+            if (c0 == 0 || (top[r] == top[r] && (v != v || v > top[r]))) top[r] = v, idx[r] = c0 + j;
+        }
     }
 }
 
 #include "cpu_gemm.h"
 #include "cpu_decode.h"
+
+/* Greedy tokens from the lm_head without its logits: out (m,) int64 = argmax over n of x (m, k) @ W.T,
+ * W in panels (cpu_gemm.h), as gemm then argmax_rows_f32 would answer (the same fp32 sums: a bf16
+ * product's accumulators unrounded, GEMM_F32_OUT). The product goes ARGMAX_COLS columns at a time
+ * into scratch (m x ARGMAX_COLS fp32, the caller's), where each block is folded into the picks while
+ * it is still in cache: (m, n) logits never reach memory (128 x 49152 fp32 is 25 MB written, then
+ * read again). top: m floats of the caller's. 0 done, 2 declined (the GEMM has no code here). */
+#define ARGMAX_COLS 8192 /* 128 panels */
+#define GEMM_ARGMAX_DRIVER(GEMM, T, EPI)                                                               \
+    for (int64_t c0 = 0; c0 < n; c0 += ARGMAX_COLS) {                                                 \
+        const int64_t cols = n - c0 < ARGMAX_COLS ? n - c0 : ARGMAX_COLS;                             \
+        const int rc = GEMM(x, xs, m, k, w + c0 * k, cols, (void *)scratch, cols, NULL, 0, EPI, num_threads); \
+        if (rc) return rc;                                                                           \
+        const int64_t next = n - c0 - cols < ARGMAX_COLS ? n - c0 - cols : ARGMAX_COLS;                \
+        argmax_fold(scratch, cols, m, cols, c0, top, out, next > 0 ? (const char *)(w + (c0 + cols) * k) : NULL, \
+                    (next + 63) / 64, 64 * k * (int64_t)sizeof(T), num_threads);                      \
+    }                                                                                                \
+    return 0;
+
+int gemm_argmax_f32(const float *x, int64_t xs, int64_t m, int64_t k, const float *w, int64_t n, float *scratch,
+                    float *top, int64_t *out, int num_threads) {
+    GEMM_ARGMAX_DRIVER(gemm_f32, float, 0)
+}
+
+int gemm_argmax_bf16(const uint16_t *x, int64_t xs, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                     float *scratch, float *top, int64_t *out, int num_threads) {
+    GEMM_ARGMAX_DRIVER(gemm_bf16, uint16_t, GEMM_F32_OUT)
+}

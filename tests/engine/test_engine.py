@@ -131,3 +131,31 @@ def test_request_timing_is_ordered(ckpt):
         assert m.arrival_ts <= m.scheduled_ts <= m.first_token_ts <= m.finished_ts
         assert m.output_tokens == 6 and m.prompt_tokens == len(o.prompt_token_ids)
         assert m.ttft_s >= m.queue_s >= 0 and m.tpot_s >= 0
+
+
+def test_greedy_steps_take_their_tokens_from_the_head_without_logits(monkeypatch):
+    """Where the lm_head is in panels (vocab a multiple of 64) and every sequence of a step is greedy
+    without logprobs, penalties or grammar, the runner takes the picks from the head's fused argmax
+    (cpu_gemm.argmax_panels): the same tokens as transformers and as BATCHGEN_FUSED_ARGMAX=0. A step
+    with a sampled or a logprobs request among them reads the logits as before."""
+    from kernels import cpu_gemm
+
+    ckpt = tiny_hf_checkpoint(vocab_size=128)
+    llm = LLM("tiny", checkpoint=ckpt, **CONFIGS["roomy"])
+    if not cpu_gemm.is_panels((llm.engine.runner.model.lm_head or llm.engine.runner.model.tied_head).weight):
+        pytest.skip("the lm_head is not in panels here (no AVX-512 panel GEMM): steps read the logits")
+    calls = []
+    real = cpu_gemm.argmax_panels
+    monkeypatch.setattr(cpu_gemm, "argmax_panels", lambda x, w: calls.append(len(x)) or real(x, w))
+    prompts = _prompts(6, seed=3, vocab=128)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    fused = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert len(calls) == len(llm.iteration_stats) and sum(calls) == 6 * 8
+    assert fused == [hf_greedy_ids(ckpt.hf_model, p, 8) for p in prompts]
+    monkeypatch.setenv(cpu_gemm.FUSED_ARGMAX_ENV, "0")
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == fused
+    monkeypatch.delenv(cpu_gemm.FUSED_ARGMAX_ENV)
+    calls.clear()
+    mixed = [greedy] * 5 + [SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)]
+    outs = llm.generate(prompts, mixed)
+    assert calls == [] and [o.token_ids for o in outs] == fused

@@ -319,6 +319,40 @@ def test_a_prefill_sized_product_runs_as_mm_on_the_unpacked_weight(dtype, monkey
         assert torch.equal(cpu_gemm.linear_panels(x, panels, out_dtype=torch.float32), logits)
 
 
+@pytest.mark.parametrize("tiles", ["amx", "vector"])
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_argmax_panels_picks_what_argmax_of_the_logits_picks(dtype, tiles, vdpbf16ps, monkeypatch):
+    """argmax_panels folds the product ARGMAX_COLS columns at a time: the same picks as argmax over the
+    whole logits, to the index, with a tie across two blocks (the first wins), rows of every tile
+    height, strided rows of x, a NaN column in a later block than the largest value (the first NaN
+    wins, as torch.argmax answers), and None under BATCHGEN_FUSED_ARGMAX=0."""
+    _skip_without_panels(dtype)
+    if tiles == "amx" and (dtype != torch.bfloat16 or not cpu_gemm.amx_in_use()):
+        pytest.skip("AMX tiles run bf16 only, where the CPU has them")
+    gen = torch.Generator().manual_seed(11)
+    n, k = cpu_gemm.ARGMAX_COLS + 6 * cpu_gemm.PANEL, 96
+    w = torch.randn(n, k, generator=gen) * 0.1
+    w[100] *= 30  # the largest logit of most rows ...
+    w[cpu_gemm.ARGMAX_COLS + 5] = w[100]  # ... tied in the second block: 100 wins
+    panels = cpu_gemm.pack_panels(w.to(dtype))
+    wide = torch.randn(33, k + 32, generator=gen).to(dtype)
+    wide[0, 16:16 + k] = w[100]  # row 0's largest logit: columns 100 and its tie
+
+    def picks():
+        return [(cpu_gemm.argmax_panels(wide[:rows, 16:16 + k], panels),
+                 torch.argmax(cpu_gemm.linear_f32(wide[:rows, 16:16 + k], panels), dim=-1))
+                for rows in (1, 7, 16, 33)]
+
+    for got, want in (vdpbf16ps(picks) if tiles == "vector" else picks()):
+        assert got.dtype == torch.int64 and torch.equal(got, want) and got[0] == 100
+    w[cpu_gemm.ARGMAX_COLS + 200] = float("nan")  # a NaN column in the second block
+    panels = cpu_gemm.pack_panels(w.to(dtype))
+    for got, want in (vdpbf16ps(picks) if tiles == "vector" else picks()):
+        assert torch.equal(got, want) and (got == cpu_gemm.ARGMAX_COLS + 200).all()
+    monkeypatch.setenv(cpu_gemm.FUSED_ARGMAX_ENV, "0")
+    assert cpu_gemm.argmax_panels(wide[:, 16:16 + k], panels) is None
+
+
 def test_unpack_rows_follows_the_cpu_and_the_switch(monkeypatch):
     """bf16 goes to mm where the panels run on AMX (oneDNN's tiles beat them at prefill sizes); fp32
     on Intel CPUs (MKL's AVX-512 code), never on AMD ones (MKL takes AVX2 there); never with
