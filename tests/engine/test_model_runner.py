@@ -85,10 +85,10 @@ def _decode_rows(runner) -> list[tuple[int, int]]:
         rows.append((len(ordered), None))
         return execute(ordered)
 
-    def recorded(size, context_lens):
-        assert len(context_lens) == size
+    def recorded(size, context_lens, seqs=None):
+        assert len(context_lens) == size and (seqs is None or len(seqs) == size)
         rows[-1] = (rows[-1][0], size)
-        return forward(size, context_lens)
+        return forward(size, context_lens, seqs)
 
     runner._execute_decode, runner._decode_forward = step, recorded
     return rows
