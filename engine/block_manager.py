@@ -3,6 +3,18 @@
 Mechanism only: it answers whether blocks can be had and hands them out; the scheduler alone decides
 who runs, who waits and who is preempted. No torch.
 
+Where a block comes from: a sequence's next block is the one after its last where that is free, so
+its KV lies in one run and decode attention reads it as a stream (measured on 2 Xeon cores, 128
+sequences x ~230 tokens: 1.39-1.42 ms a layer contiguous, 1.47-1.50 with only the prompt's blocks
+contiguous, 1.63-1.64 all scattered). A sequence starting a run takes the first free block at a cursor
+that stays ahead of every run begun so far by the blocks the sequence may still grow into (up to
+MAX_GAP), so its neighbours leave it room. Blocks the cursor skips stay free for anyone: when neither
+applies (the cache nearly full, or nothing free near the cursor), the free list's first block serves,
+as before. The cursor goes back to block 0 at the cache's end and whenever no block is held. The
+price: over a long job with requests coming and going, the cursor's sweep touches more of the cache
+than the blocks held at once, so more of its pages become resident (at most the whole KV cache,
+--kv-cache-memory), where handing out the lowest free blocks kept them to the high-water mark.
+
 Prefix caching (optional): a full block is identified by a hash of its tokens chained with the hash of
 the block before it, so equal hashes mean equal prefixes. A freed block keeps its hash and stays in
 the free list in LRU order; a later request with the same prefix takes it back, and allocation evicts
@@ -15,6 +27,9 @@ from collections import OrderedDict
 
 from engine.sequence import Sequence
 
+MAX_GAP = 32  # blocks the cursor leaves after a sequence's run, at most
+PROBES = 64  # free-list lookups a run start tries at the cursor before taking the free list's first
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
@@ -26,6 +41,7 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.block_hash: dict[int, int] = {}  # block id -> hash (cached blocks only)
         self.cached: dict[int, int] = {}  # hash -> block id
+        self.cursor = 0  # where the next run starts looking (see the module's docstring)
 
     # -- queries
     @property
@@ -50,7 +66,11 @@ class BlockManager:
         if need > len(self.free_blocks):
             raise RuntimeError(f"allocate: {need} blocks needed, {len(self.free_blocks)} free")
         for _ in range(need):
-            seq.block_table.append(self._take_free_block())
+            seq.block_table.append(self._take_free_block(self._next_block(seq)))
+        if need:
+            most = -(-(seq.num_prompt_tokens + seq.params.max_tokens) // self.block_size)
+            room = min(max(most - len(seq.block_table), 0), MAX_GAP)  # blocks it may still grow into
+            self.cursor = max(self.cursor, seq.block_table[-1] + 1 + room)
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks; tail blocks first, so shared prefixes are evicted last."""
@@ -63,9 +83,29 @@ class BlockManager:
                 else:
                     self.free_blocks[block] = None
         seq.block_table = []
+        if len(self.free_blocks) == self.num_blocks:
+            self.cursor = 0  # nothing held: runs start from the bottom again (the pages already resident)
 
-    def _take_free_block(self) -> int:
-        block, _ = self.free_blocks.popitem(last=False)
+    def _next_block(self, seq: Sequence) -> int | None:
+        """The free block `seq` should take next (see the module's docstring), or None for the free
+        list's first. Blocks holding a cached prefix are left for their prefix."""
+        if seq.block_table:
+            block = seq.block_table[-1] + 1
+            if block < self.num_blocks and block in self.free_blocks and block not in self.block_hash:
+                return block
+        if self.cursor >= self.num_blocks:
+            self.cursor = 0
+        for block in range(self.cursor, min(self.cursor + PROBES, self.num_blocks)):
+            if block in self.free_blocks and block not in self.block_hash:
+                return block
+        self.cursor += PROBES  # nothing free here: the next run start looks further on
+        return None
+
+    def _take_free_block(self, block: int | None = None) -> int:
+        if block is None:
+            block, _ = self.free_blocks.popitem(last=False)
+        else:
+            del self.free_blocks[block]
         old = self.block_hash.pop(block, None)
         if old is not None and self.cached.get(old) == block:
             del self.cached[old]  # evict: its contents are about to be overwritten
