@@ -19,26 +19,27 @@ BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # best first
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The first processor's `flags` line from /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
-    return frozenset(line.partition(":")[2].split())
-
-
-@functools.cache
-def cpu_vendor() -> str:
-    """The first processor's `vendor_id` from /proc/cpuinfo ('GenuineIntel', 'AuthenticAMD'; empty
+def _cpuinfo_field(*names: str) -> str:
+    """The value of the first processor's first /proc/cpuinfo line starting with one of names (empty
     where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    line = next((ln for ln in text.splitlines() if ln.startswith("vendor_id")), "")
+    line = next((ln for ln in text.splitlines() if ln.startswith(names)), "")
     return line.partition(":")[2].strip()
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The first processor's `flags` line from /proc/cpuinfo (empty where there is none)."""
+    return frozenset(_cpuinfo_field("flags", "Features").split())
+
+
+def cpu_vendor() -> str:
+    """The first processor's `vendor_id` from /proc/cpuinfo ('GenuineIntel', 'AuthenticAMD'; empty
+    where there is none)."""
+    return _cpuinfo_field("vendor_id")
 
 
 def bf16_feature(flags: frozenset[str] | None = None) -> str | None:
