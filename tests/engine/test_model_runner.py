@@ -5,6 +5,7 @@ one device -> host copy and no hidden host syncs."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -238,6 +239,22 @@ def test_kv_populator_makes_blocks_resident_ahead_of_use_in_every_layer():
     assert pop.populated == 64
     assert all(_resident_pages(flat[3].data_ptr(), 64 * block))
     assert flat.abs().sum().item() == 0  # made resident, still zeros
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork() to tell a private mapping from a shared one")
+def test_the_kv_mapping_is_private_so_a_forked_child_copies_it():
+    """A shared mapping (Python's mmap default) would let a child process's KV writes land in the
+    parent's cache; a private one is copied on write."""
+    flat = _kv_mapping(regions=1, blocks=4)
+    flat[0, 0, 0] = 1.0
+    pid = os.fork()
+    if pid == 0:  # the child writes and leaves at once, without pytest's teardown
+        flat[0, 0, 0] = 7.0
+        flat[0, 3, 5] = 9.0
+        os._exit(0 if flat[0, 0, 0].item() == 7.0 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert flat[0, 0, 0].item() == 1.0 and flat[0, 3, 5].item() == 0.0
 
 
 def test_kv_populator_falls_back_to_page_faults_when_madvise_refuses(caplog):
