@@ -169,12 +169,12 @@ FEATURE_AVX512, FEATURE_AVX2, FEATURE_DP_BF16 = 1, 2, 4  # cpu_kernels_features(
 
 
 AMX_ENV = "BATCHGEN_AMX"  # "0": the vector kernels even where AMX tiles would serve (to compare)
-ATTN_STREAM_ENV = "BATCHGEN_ATTN_STREAM"  # "1"/"0": decode attention's L2 stream (default: by CPU vendor)
+ATTN_STREAM_ENV = "BATCHGEN_ATTN_STREAM"  # "0": decode attention without its L2 stream (to compare)
 
 
 def attention_stream() -> bool:
-    """Whether decode attention runs its own L2 prefetch stream (csrc/cpu_kernels.c): on AMD CPUs,
-    off on Intel ones, unless BATCHGEN_ATTN_STREAM (read when the library loads) says otherwise."""
+    """Whether decode attention runs its own L2 prefetch stream (csrc/cpu_kernels.c): on, unless
+    BATCHGEN_ATTN_STREAM=0 (read when the library loads)."""
     lib = load()
     return lib is not None and bool(lib.batchgen_attention_stream(-1))
 

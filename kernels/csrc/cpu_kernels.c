@@ -245,27 +245,18 @@ static inline void prefetch_bytes_l2(const void *base, int64_t n) {
     for (int64_t b = 0; b < n; b += 64) _mm_prefetch((const char *)base + b, _MM_HINT_T1);
 }
 #define L2_AHEAD 2 /* blocks */
-#define STREAM_LEAD_BYTES (384 << 10) /* how far a thread's L2 stream starts ahead (192-384 KiB best) */
+#define STREAM_LEAD_BYTES (128 << 10) /* how far a thread's L2 stream runs ahead (2 AMX Xeon cores: 128-192 KiB best) */
 #endif
 
-/* Whether decode attention runs its L2 stream (cpu_kernels_typed.h): -1 undecided, then on for AMD
- * and off for Intel, unless batchgen_attention_stream() was told (BATCHGEN_ATTN_STREAM). Measured
- * on 2-core EPYCs (Zen 4) it overlapped DRAM with compute; on a 2-core AMX Xeon it cost 3-24% (64
- * sequences x 262 tokens, 30 layers: bf16 32.5 against 26.1 ms without it, fp32 43.8 against 37.9;
- * 128 sequences 49.8 against 48.2; 16 x 1024 24.0 against 22.5), whose own prefetchers do better. */
-static int attn_stream = -1;
+/* Whether decode attention runs its L2 stream (cpu_kernels_typed.h): on, unless
+ * batchgen_attention_stream() was told otherwise (BATCHGEN_ATTN_STREAM). Its first form asked for a
+ * whole block at a time; on Intel that burst of prefetches stalled the arithmetic queued behind it
+ * and it cost 3-24% on a 2-core AMX Xeon, so it ran on AMD only. Spread a line or two per key and
+ * value read, it overlaps DRAM with compute there too (128 sequences x 160-300 tokens, 30 layers:
+ * 36.8 against 42.0 ms; 64 x ~262: 20.2 against 24.2; 16 x ~1024: level). */
+static int attn_stream = 1;
 
-static int attention_stream_on(void) {
-    if (attn_stream < 0) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_cpu_init();
-        attn_stream = !__builtin_cpu_is("intel");
-#else
-        attn_stream = 1;
-#endif
-    }
-    return attn_stream;
-}
+static int attention_stream_on(void) { return attn_stream; }
 
 /* on 1 or 0 sets it, -1 only asks; returns whether the stream runs. */
 int batchgen_attention_stream(int on) {

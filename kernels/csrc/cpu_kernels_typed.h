@@ -97,16 +97,18 @@ static void FN(attend_item)(const PROBLEM *p, int64_t item, float *scores, float
  * the reads by a steady rate. A thread takes all KV heads of a sequence in a row, and the first head
  * brings the whole rows in; without the stream, no DRAM request went out while the later heads read
  * L2, and DRAM time added to compute time instead of overlapping it. The stream starts
- * STREAM_LEAD_BYTES ahead and moves one block for every hkv blocks the thread reads (one sequence's
- * worth per sequence). A prefill's rows repeat their sequence's blocks: a row whose first block is
- * the previous row's streams only the blocks past what that one streamed. */
+ * STREAM_LEAD_BYTES ahead and then asks for D * sizeof(T) / 64 lines with every key or value row a
+ * head reads (stream_step), a sequence's worth per sequence, so the lead stays put. A sequence whose
+ * first block is the previous one's (a shared prefix) streams only the blocks past what that one streamed. */
 typedef struct {
     const PROBLEM *p;
     int64_t seq, end_seq; /* the sequence being streamed; one past the thread's last */
-    int kv, block, first_block, nblocks, credit;
+    int kv, block, first_block, nblocks;
     int32_t prev_first;
     int prev_nblocks;
     int off; /* the stream switched off (batchgen_attention_stream): block_rows asks only for L1 */
+    const char *line; /* the next line to ask for, in the block being streamed, and bytes left there */
+    int64_t left;
 } FN(Stream);
 
 static void FN(stream_enter)(FN(Stream) *st) {
@@ -119,12 +121,25 @@ static void FN(stream_enter)(FN(Stream) *st) {
     st->kv = 0;
 }
 
-/* Ask for the stream's next n blocks into L2. */
-static void FN(stream_next)(FN(Stream) *st, int n) {
+/* Ask for the stream's next n cache lines into L2: one or two at a time between the reads, not a block
+ * in a burst (a burst of prefetches fills the line buffers and stalls the arithmetic behind it, so DRAM
+ * time added to compute time instead of overlapping it). */
+static void FN(stream_lines)(FN(Stream) *st, int n) {
     const PROBLEM *p = st->p;
     const int B = p->block_size;
     const int64_t token_bytes = (int64_t)p->num_kv_heads * p->head_dim * (int64_t)sizeof(T);
-    while (n > 0 && st->seq < st->end_seq) {
+    while (n > 0) {
+        if (st->left > 0) {
+            _mm_prefetch(st->line, _MM_HINT_T1);
+            st->line += 64;
+            st->left -= 64;
+            n--;
+            continue;
+        }
+        if (st->seq >= st->end_seq) {
+            st->off = 1; /* nothing left to stream: stream_step returns at once from here on */
+            return;
+        }
         if (st->block >= st->nblocks) {
             if (st->kv == 0 && st->nblocks > 0) {
                 st->kv = 1;
@@ -142,19 +157,29 @@ static void FN(stream_next)(FN(Stream) *st, int n) {
         const int ctx = p->context_lens[st->seq];
         const int32_t blk = p->block_tables[st->seq * p->block_table_stride + st->block];
         const int tokens = ctx - st->block * B < B ? ctx - st->block * B : B;
-        prefetch_bytes_l2((st->kv ? p->v_cache : p->k_cache) + (int64_t)blk * B * p->num_kv_heads * p->head_dim,
-                          tokens * token_bytes);
+        st->line = (const char *)((st->kv ? p->v_cache : p->k_cache) + (int64_t)blk * B * p->num_kv_heads * p->head_dim);
+        st->left = tokens * token_bytes;
         st->block++;
-        n--;
+    }
+}
+
+/* The stream's share of one key's or value's read: n lines (the thread's K and V bytes over the reads it makes). */
+static inline __attribute__((always_inline)) void FN(stream_step)(FN(Stream) *st, int n) {
+    if (st->off) return;
+    if (st->left >= 64 * (int64_t)n) {
+        for (int i = 0; i < n; i++) _mm_prefetch(st->line + 64 * i, _MM_HINT_T1);
+        st->line += 64 * n;
+        st->left -= 64 * (int64_t)n;
+    } else {
+        FN(stream_lines)(st, n);
     }
 }
 
 static void FN(stream_start)(FN(Stream) *st, const PROBLEM *p, int64_t first_seq, int64_t end_seq, int on) {
-    *st = (FN(Stream)){p, first_seq, end_seq, 0, 0, 0, 0, 0, -1, 0, !on};
+    *st = (FN(Stream)){p, first_seq, end_seq, 0, 0, 0, 0, -1, 0, !on, NULL, 0};
     if (first_seq >= end_seq || !on) return;
     FN(stream_enter)(st);
-    const int64_t block_bytes = (int64_t)p->block_size * p->num_kv_heads * p->head_dim * (int64_t)sizeof(T);
-    FN(stream_next)(st, (int)(STREAM_LEAD_BYTES / block_bytes) + 1);
+    FN(stream_lines)(st, STREAM_LEAD_BYTES / 64);
 }
 
 /* The rows of KV head h in the cache block that holds token t0 (token_stride apart), after asking for
@@ -164,10 +189,6 @@ static void FN(stream_start)(FN(Stream) *st, const PROBLEM *p, int64_t first_seq
 static inline const T *FN(block_rows)(FN(Stream) *st, const T *cache, const int32_t *table, int t0, int ctx,
                                       int B, int hkv, int h, int D) {
     const int64_t token_bytes = (int64_t)hkv * D * (int64_t)sizeof(T);
-    if (!st->off && ++st->credit >= hkv) {
-        st->credit = 0;
-        FN(stream_next)(st, 1);
-    }
     const int ahead = t0 + L2_AHEAD * B;
     if (h == 0 && st->seq >= st->end_seq && ahead < ctx) /* a sequence the stream does not take */
         prefetch_bytes_l2(cache + (int64_t)table[ahead / B] * B * hkv * D, (ctx - ahead < B ? ctx - ahead : B) * token_bytes);
@@ -202,6 +223,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
                                                                          int64_t item, int64_t next, float *scores,
                                                                          const int G, const int C) {
     ITEM_LOCALS(16 * C)
+    const int lps = D * (int)sizeof(T) / 64 > 0 ? D * (int)sizeof(T) / 64 : 1; /* stream lines a read */
     __m512 acc[8][8], dots[8][16];
     const __m512 scale = _mm512_set1_ps(p->scale);
 #if DP_BF16
@@ -225,6 +247,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
         for (int i0 = 0; i0 < n; i0 += 16) {
             const int m = n - i0 < 16 ? n - i0 : 16;
             for (int i = 0; i < m; i++, k += token_stride) {
+                FN(stream_step)(st, lps);
 #if DP_BF16
                 __m512bh kb[4];
                 for (int c = 0; c < C / 2; c++) kb[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
@@ -280,6 +303,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
         const T *v = FN(block_rows)(st, p->v_cache, table, t0, ctx, B, hkv, h, D);
         FN(prefetch_item_blocks)(p, p->v_cache, next, t0 / B, t0 / B + 1);
         for (int i = 0; i < n; i++, v += token_stride) {
+            FN(stream_step)(st, lps);
             __m512 vc[8];
             for (int c = 0; c < C / 2; c++) VLD2(v + 32 * c, vc[2 * c], vc[2 * c + 1]);
             for (int g = 0; g < G; g++) {
@@ -305,6 +329,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
                                                                        int64_t item, int64_t next, float *scores,
                                                                        const int G, const int C) {
     ITEM_LOCALS(8 * C)
+    const int lps = D * (int)sizeof(T) / 64 > 0 ? D * (int)sizeof(T) / 64 : 1; /* stream lines a read */
     const __m256 scale = _mm256_set1_ps(p->scale);
     __m256 qv[8][16], dots[8][8], acc[8][16];
     for (int g = 0; g < G; g++) {
@@ -319,6 +344,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
         for (int i0 = 0; i0 < n; i0 += 8) {
             const int m = n - i0 < 8 ? n - i0 : 8;
             for (int i = 0; i < m; i++, k += token_stride) {
+                FN(stream_step)(st, lps);
                 __m256 kc[16];
                 for (int c = 0; c < C; c++) kc[c] = VLD(k + 8 * c);
                 for (int g = 0; g < G; g++) {
@@ -368,6 +394,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
         const T *v = FN(block_rows)(st, p->v_cache, table, t0, ctx, B, hkv, h, D);
         FN(prefetch_item_blocks)(p, p->v_cache, next, t0 / B, t0 / B + 1);
         for (int i = 0; i < n; i++, v += token_stride) {
+            FN(stream_step)(st, lps);
             __m256 vc[16];
             for (int c = 0; c < C; c++) vc[c] = VLD(v + 8 * c);
             for (int g = 0; g < G; g++) {
