@@ -831,7 +831,7 @@ int FN(paged_prefill_attention)(const T *q, int64_t q_tok_stride, int64_t q_head
     const int ctx_pad = (max_ctx + 31) / 32 * 32;
     int failed = 0;
     if (num_threads < 1) num_threads = 1;
-#pragma omp parallel num_threads(num_threads) if (tiles * hkv > 1)
+#pragma omp parallel num_threads(num_threads) if ((amx_seqs + tiles) * hkv > 1)
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(RG + 24) * ctx_pad);
         uint16_t *probs = (uint16_t *)calloc((size_t)(RG + 24) * ctx_pad, sizeof(uint16_t));
