@@ -241,7 +241,9 @@ def test_kv_populator_makes_blocks_resident_ahead_of_use_in_every_layer():
     assert flat.abs().sum().item() == 0  # made resident, still zeros
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork() to tell a private mapping from a shared one")
+@pytest.mark.skipif(
+    not hasattr(os, "fork"), reason="needs fork() to tell a private mapping from a shared one"
+)
 def test_the_kv_mapping_is_private_so_a_forked_child_copies_it():
     """A shared mapping (Python's mmap default) would let a child process's KV writes land in the
     parent's cache; a private one is copied on write."""
