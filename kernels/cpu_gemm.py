@@ -20,8 +20,9 @@ the vdpbf16ps kernel.
 At a prefill's row counts (4096 and more) a plain product goes through torch.mm on the panels
 unpacked for the call where that is faster on the CPU (`unpack_rows`: bf16 on AMX, fp32 on Intel;
 `BATCHGEN_PREFILL_GEMM=panels` keeps the panels). `argmax_panels` gives a greedy step its tokens
-straight from the lm_head's panels, folding the product into the picks a block of columns at a time,
-so the (rows, vocab) logits are never written (`BATCHGEN_FUSED_ARGMAX=0` turns it off).
+straight from the lm_head's panels, each thread folding the product of its own panels into its
+picks a chunk at a time (in its L2), so the (rows, vocab) logits are never written
+(`BATCHGEN_FUSED_ARGMAX=0` turns it off).
 
 Packing is in place: `pack_linears` swaps each `nn.Linear`'s weight for its packed tensor and frees
 the plain one, so no second copy stays in memory; `unpack_linears` turns them back. `linear` reads
@@ -232,16 +233,21 @@ def linear_panels(x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor 
     return out
 
 
-ARGMAX_COLS = 8192  # columns of the product a block of argmax_panels folds at a time (csrc/cpu_kernels.c)
 FUSED_ARGMAX_ENV = "BATCHGEN_FUSED_ARGMAX"  # "0": greedy steps take the logits, then their argmax
-_argmax_scratch = torch.empty(0)  # argmax_panels' block of products, kept (a fresh one faults its pages in)
+_argmax_scratch = torch.empty(0)  # argmax_panels' chunks of products, kept (a fresh one faults its pages in)
+
+
+def argmax_chunk_cols(rows: int) -> int:
+    """Columns of the product a thread of argmax_panels makes and folds at a time for `rows` rows
+    (csrc/cpu_kernels.c: about 256 KiB of fp32 products, at least one panel)."""
+    return cpu_native.library().argmax_scratch_floats(rows) // rows
 
 
 def argmax_panels(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor | None:
     """Each row's argmax of x (T, K) @ W.T, (T,) int64, W in panels (pack_panels), without the (T, N)
-    product: the kernel folds ARGMAX_COLS columns at a time into the picks while they are in cache.
-    The same picks as argmax(linear_f32(x, W)) (first maximum, first NaN). None where it does not
-    apply: not panels, a panel GEMM this CPU has no code for, or BATCHGEN_FUSED_ARGMAX=0."""
+    product: each thread folds its chunks of argmax_chunk_cols columns into its picks while they are
+    in its cache. The same picks as argmax(linear_f32(x, W)) (first maximum, first NaN). None where it
+    does not apply: not panels, a panel GEMM this CPU has no code for, or BATCHGEN_FUSED_ARGMAX=0."""
     global _argmax_scratch
     if os.environ.get(FUSED_ARGMAX_ENV) == "0" or not is_panels(panels) or panels.dim() not in (3, 4):
         return None
@@ -250,8 +256,9 @@ def argmax_panels(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor | None:
     if k != ksize or x.dtype != panels.dtype or x.stride(-1) != 1 or t == 0:
         raise ValueError(f"argmax_panels: x {tuple(x.shape)} {x.dtype} does not fit panels of K={ksize} "
                          f"{panels.dtype} (rows of x must be contiguous)")
-    if _argmax_scratch.numel() < t * ARGMAX_COLS:
-        _argmax_scratch = torch.empty(t * ARGMAX_COLS, dtype=torch.float32)
+    need = torch.get_num_threads() * cpu_native.library().argmax_scratch_floats(t)
+    if _argmax_scratch.numel() < need:
+        _argmax_scratch = torch.empty(need, dtype=torch.float32)
     top, out = torch.empty(t, dtype=torch.float32), torch.empty(t, dtype=torch.int64)
     rc = cpu_native.kernel("gemm_argmax", x.dtype)(
         x.data_ptr(), x.stride(0), t, k, panels.data_ptr(), panels.shape[0] * PANEL,

@@ -148,6 +148,7 @@ def load() -> ctypes.CDLL | None:
             signatures = {f"{name}_{sfx}": sig for name, sig in typed.items() for sfx in SUFFIXES.values()}
             signatures["store_kv_cache"] = (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64])
             signatures["argmax_rows_f32"] = (None, [ptr, i64, i64, i64, ptr, i32])
+            signatures["argmax_scratch_floats"] = (i64, [i64])
             signatures["cpu_kernels_features"] = (i32, [])
             signatures["batchgen_amx"] = (i32, [i32])
             signatures["batchgen_attention_stream"] = (i32, [i32])

@@ -269,7 +269,10 @@ int batchgen_attention_stream(int on) {
  * asks (arch_prctl, 5.16+); amx_on() asks once, and batchgen_amx() switches their use off and on
  * (BATCHGEN_AMX=0, kernels/cpu_native.py). The bf16 GEMM (cpu_gemm.h) uses them; without, its
  * vector code runs. (Decode attention on tiles was tried: on 2 Xeon cores it reads its keys and
- * values at ~13 GB/s either way, bound by memory, not arithmetic, so it stays vector code.) */
+ * values at ~13 GB/s either way, bound by memory, not arithmetic, so it stays vector code. Tried
+ * again with the spread L2 stream, its scores only, keys straight from the cache as A tiles: 30
+ * layers of 16 sequences in L2 2.3-2.4 against 2.8 ms, but 128 sequences from DRAM 38.6-40.7
+ * against 38.1-39.8 ms.) */
 #if HAVE_AVX512 && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
 #include <sys/syscall.h>
@@ -446,61 +449,83 @@ void argmax_rows_f32(const float *x, int64_t x_stride, int64_t rows, int64_t col
     }
 }
 
-/* Fold a block of columns [c0, c0 + cols) of every row (its logits in x, rows x_stride apart) into the
- * rows' running picks: the block's argmax replaces the pick where it is larger, or NaN where the pick
- * is not NaN already. Blocks come in column order, so the first maximum (first NaN) stays. */
-static void argmax_fold(const float *x, int64_t x_stride, int64_t rows, int64_t cols, int64_t c0, float *top,
-                        int64_t *idx, const char *next, int64_t next_panels, int64_t panel_bytes, int num_threads) {
-#pragma omp parallel num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMS)
-    {
-#ifdef _OPENMP
-        const int t = omp_get_thread_num(), nth = omp_get_num_threads();
-#else
-        const int t = 0, nth = 1;
-#endif
-        /* the first panel of this thread's share of the next block (the GEMM hands each thread an even
-         * run of panels) into L2 meanwhile: otherwise each block's first panels wait on DRAM */
-        if (next) {
-            const char *mine = next + (t * ((next_panels + nth - 1) / nth)) * panel_bytes;
-            if (mine < next + next_panels * panel_bytes)
-                for (int64_t b = 0; b < panel_bytes; b += 64) _mm_prefetch(mine + b, _MM_HINT_T1);
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            float v;
-            const int64_t j = row_argmax(x + r * x_stride, cols, &v);
-            if (c0 == 0 || (top[r] == top[r] && (v != v || v > top[r]))) top[r] = v, idx[r] = c0 + j;
-        }
-    }
-}
-
 #include "cpu_gemm.h"
 #include "cpu_decode.h"
 
 /* Greedy tokens from the lm_head without its logits: out (m,) int64 = argmax over n of x (m, k) @ W.T,
  * W in panels (cpu_gemm.h), as gemm then argmax_rows_f32 would answer (the same fp32 sums: a bf16
- * product's accumulators unrounded, GEMM_F32_OUT). The product goes ARGMAX_COLS columns at a time
- * into scratch (m x ARGMAX_COLS fp32, the caller's), where each block is folded into the picks while
- * it is still in cache: (m, n) logits never reach memory (128 x 49152 fp32 is 25 MB written, then
- * read again). top: m floats of the caller's. 0 done, 2 declined (the GEMM has no code here). */
-#define ARGMAX_COLS 8192 /* 128 panels */
-#define GEMM_ARGMAX_DRIVER(GEMM, T, EPI)                                                               \
-    for (int64_t c0 = 0; c0 < n; c0 += ARGMAX_COLS) {                                                 \
-        const int64_t cols = n - c0 < ARGMAX_COLS ? n - c0 : ARGMAX_COLS;                             \
-        const int rc = GEMM(x, xs, m, k, w + c0 * k, cols, (void *)scratch, cols, NULL, 0, EPI, num_threads); \
-        if (rc) return rc;                                                                           \
-        const int64_t next = n - c0 - cols < ARGMAX_COLS ? n - c0 - cols : ARGMAX_COLS;                \
-        argmax_fold(scratch, cols, m, cols, c0, top, out, next > 0 ? (const char *)(w + (c0 + cols) * k) : NULL, \
-                    (next + 63) / 64, 64 * k * (int64_t)sizeof(T), num_threads);                      \
+ * product's accumulators unrounded, GEMM_F32_OUT). Each thread takes an even run of the panels and
+ * goes through it a chunk at a time: the chunk's products for every row into its own part of scratch
+ * (about ARGMAX_CHUNK_FLOATS: it stays in the thread's L2), then folded into its own picks at once,
+ * so the (m, n) logits never reach memory and no thread reads products another one wrote (128 x 49152
+ * fp32 is 25 MB). The threads' picks are then folded in column order: the first maximum (first NaN)
+ * stays, as in torch.argmax. scratch: the caller's, num_threads x argmax_scratch_floats(m); top: m
+ * floats of the caller's. 0 done, 1 out of memory, 2 declined (the GEMM has no code here). */
+#define ARGMAX_CHUNK_FLOATS 65536 /* 256 KiB of products a chunk */
+
+static int64_t argmax_chunk_panels(int64_t m) {
+    const int64_t p = ARGMAX_CHUNK_FLOATS / (m * 64);
+    return p > 0 ? p : 1;
+}
+
+int64_t argmax_scratch_floats(int64_t m) { return argmax_chunk_panels(m) * 64 * m; }
+
+/* pick (v, j) into (top, idx) where it comes after them in column order: larger, or a first NaN */
+static inline void argmax_take(float *top, int64_t *idx, float v, int64_t j, int first) {
+    if (first || (*top == *top && (v != v || v > *top))) *top = v, *idx = j;
+}
+
+#define GEMM_ARGMAX_DRIVER(GEMM, EPI)                                                                \
+    const int64_t panels = (n + 63) / 64, cp = argmax_chunk_panels(m);                               \
+    if (num_threads < 1) num_threads = 1;                                                            \
+    if (num_threads > panels) num_threads = (int)panels;                                             \
+    float *tops = (float *)malloc(sizeof(float) * (size_t)(num_threads * m));                        \
+    int64_t *idxs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_threads * m));                 \
+    int rc = tops && idxs ? 0 : 1, used = 1;                                                         \
+    if (!rc) {                                                                                       \
+        _Pragma("omp parallel num_threads(num_threads) if (num_threads > 1)")                         \
+        {                                                                                            \
+            int t = 0, nth = 1;                                                                      \
+            ARGMAX_THREAD(t, nth)                                                                    \
+            if (t == 0) used = nth;                                                                  \
+            float *scr = scratch + (int64_t)t * cp * 64 * m, *tp = tops + (int64_t)t * m;             \
+            int64_t *ip = idxs + (int64_t)t * m;                                                     \
+            const int64_t p0 = panels * t / nth, p1 = panels * (t + 1) / nth;                         \
+            for (int64_t pp = p0; pp < p1 && !rc; pp += cp) {                                       \
+                const int64_t c0 = pp * 64, c1 = (pp + cp < p1 ? pp + cp : p1) * 64;                  \
+                const int64_t cols = (c1 < n ? c1 : n) - c0;                                          \
+                const int e = GEMM(x, xs, m, k, w + c0 * k, cols, (void *)scr, cols, NULL, 0, EPI, 1); \
+                if (e) {                                                                             \
+                    _Pragma("omp atomic write")                                                      \
+                    rc = e;                                                                          \
+                    break;                                                                           \
+                }                                                                                    \
+                for (int64_t r = 0; r < m; r++) {                                                    \
+                    float v;                                                                         \
+                    const int64_t j = row_argmax(scr + r * cols, cols, &v);                          \
+                    argmax_take(tp + r, ip + r, v, c0 + j, pp == p0);                                \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+        for (int t = 0; t < used && !rc; t++)                                                        \
+            for (int64_t r = 0; r < m; r++) argmax_take(top + r, out + r, tops[t * m + r], idxs[t * m + r], t == 0); \
     }                                                                                                \
-    return 0;
+    free(tops);                                                                                      \
+    free(idxs);                                                                                      \
+    return rc;
+
+#ifdef _OPENMP
+#define ARGMAX_THREAD(t, nth) t = omp_get_thread_num(), nth = omp_get_num_threads();
+#else
+#define ARGMAX_THREAD(t, nth)
+#endif
 
 int gemm_argmax_f32(const float *x, int64_t xs, int64_t m, int64_t k, const float *w, int64_t n, float *scratch,
                     float *top, int64_t *out, int num_threads) {
-    GEMM_ARGMAX_DRIVER(gemm_f32, float, 0)
+    GEMM_ARGMAX_DRIVER(gemm_f32, 0)
 }
 
 int gemm_argmax_bf16(const uint16_t *x, int64_t xs, int64_t m, int64_t k, const uint16_t *w, int64_t n,
                      float *scratch, float *top, int64_t *out, int num_threads) {
-    GEMM_ARGMAX_DRIVER(gemm_bf16, uint16_t, GEMM_F32_OUT)
+    GEMM_ARGMAX_DRIVER(gemm_bf16, GEMM_F32_OUT)
 }

@@ -322,33 +322,46 @@ def test_a_prefill_sized_product_runs_as_mm_on_the_unpacked_weight(dtype, monkey
 @pytest.mark.parametrize("dtype,tiles", [(torch.float32, "vector"), (torch.bfloat16, "vector"),
                                          (torch.bfloat16, "amx")])
 def test_argmax_panels_picks_what_argmax_of_the_logits_picks(dtype, tiles, vdpbf16ps, monkeypatch):
-    """argmax_panels folds the product ARGMAX_COLS columns at a time: the same picks as argmax over the
-    whole logits, to the index, with a tie across two blocks (the first wins), rows of every tile
-    height, strided rows of x, a NaN column in a later block than the largest value (the first NaN
-    wins, as torch.argmax answers), and None under BATCHGEN_FUSED_ARGMAX=0."""
+    """argmax_panels: each thread folds its run of panels a chunk at a time, then the threads' picks
+    are folded in column order. The same picks as argmax over the whole logits, to the index, on 1, 2
+    and 3 threads, for rows of every tile height and strided rows of x: with the largest logit tied
+    in a later chunk of the same thread and in the last thread's run (the first wins), and with NaN
+    columns in two threads' runs after the largest value (the first NaN wins, as torch.argmax
+    answers); None under BATCHGEN_FUSED_ARGMAX=0."""
     _skip_without_panels(dtype)
     if tiles == "amx":
         _skip_without_amx()
     gen = torch.Generator().manual_seed(11)
-    n, k = cpu_gemm.ARGMAX_COLS + 6 * cpu_gemm.PANEL, 96
+    n, k = 160 * cpu_gemm.PANEL, 96
+    assert cpu_gemm.argmax_chunk_cols(33) < 40 * cpu_gemm.PANEL  # 33 rows: several chunks a thread's run
     w = torch.randn(n, k, generator=gen) * 0.1
     w[100] *= 30  # the largest logit of most rows ...
-    w[cpu_gemm.ARGMAX_COLS + 5] = w[100]  # ... tied in the second block: 100 wins
+    w[50 * cpu_gemm.PANEL + 5] = w[100]  # ... tied in a later chunk of thread 0 (of 2 or 3) ...
+    w[n - 7] = w[100]  # ... and in the last thread's run: 100 wins
     panels = cpu_gemm.pack_panels(w.to(dtype))
     wide = torch.randn(33, k + 32, generator=gen).to(dtype)
-    wide[0, 16:16 + k] = w[100]  # row 0's largest logit: columns 100 and its tie
+    wide[0, 16:16 + k] = w[100]  # row 0's largest logit: columns 100 and its ties
 
     def picks():
-        return [(cpu_gemm.argmax_panels(wide[:rows, 16:16 + k], panels),
-                 torch.argmax(cpu_gemm.linear_f32(wide[:rows, 16:16 + k], panels), dim=-1))
-                for rows in (1, 7, 16, 33)]
+        threads = torch.get_num_threads()
+        try:
+            out = []
+            for nth in (1, 2, 3):
+                torch.set_num_threads(nth)
+                out += [(cpu_gemm.argmax_panels(wide[:rows, 16:16 + k], panels),
+                         torch.argmax(cpu_gemm.linear_f32(wide[:rows, 16:16 + k], panels), dim=-1))
+                        for rows in (1, 7, 16, 33)]
+            return out
+        finally:
+            torch.set_num_threads(threads)
 
     for got, want in (vdpbf16ps(picks) if tiles == "vector" else picks()):
         assert got.dtype == torch.int64 and torch.equal(got, want) and got[0] == 100
-    w[cpu_gemm.ARGMAX_COLS + 200] = float("nan")  # a NaN column in the second block
+    w[100 * cpu_gemm.PANEL + 3] = float("nan")  # a NaN column in the second of 2 threads' runs ...
+    w[n - 3] = float("nan")  # ... and another in the last one's
     panels = cpu_gemm.pack_panels(w.to(dtype))
     for got, want in (vdpbf16ps(picks) if tiles == "vector" else picks()):
-        assert torch.equal(got, want) and (got == cpu_gemm.ARGMAX_COLS + 200).all()
+        assert torch.equal(got, want) and (got == 100 * cpu_gemm.PANEL + 3).all()
     monkeypatch.setenv(cpu_gemm.FUSED_ARGMAX_ENV, "0")
     assert cpu_gemm.argmax_panels(wide[:, 16:16 + k], panels) is None
 
