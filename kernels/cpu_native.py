@@ -152,6 +152,7 @@ def load() -> ctypes.CDLL | None:
             signatures["cpu_kernels_features"] = (i32, [])
             signatures["batchgen_amx"] = (i32, [i32])
             signatures["batchgen_attention_stream"] = (i32, [i32])
+            signatures["batchgen_prefill_threads"] = (i32, [])
             for name, (restype, argtypes) in signatures.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes

@@ -831,8 +831,14 @@ int FN(paged_prefill_attention)(const T *q, int64_t q_tok_stride, int64_t q_head
     const int ctx_pad = (max_ctx + 31) / 32 * 32;
     int failed = 0;
     if (num_threads < 1) num_threads = 1;
-#pragma omp parallel num_threads(num_threads) if ((amx_seqs + tiles) * hkv > 1)
+    const int64_t items = (amx_seqs + tiles) * hkv; /* the parallel region's condition and its loop: one count */
+#pragma omp parallel num_threads(num_threads) if (items > 1)
     {
+#ifdef _OPENMP
+        if (omp_get_thread_num() == 0) prefill_team = omp_get_num_threads();
+#else
+        prefill_team = 1;
+#endif
         float *scores = (float *)malloc(sizeof(float) * (size_t)(RG + 24) * ctx_pad);
         uint16_t *probs = (uint16_t *)calloc((size_t)(RG + 24) * ctx_pad, sizeof(uint16_t));
         __m512i kt[128];
@@ -845,7 +851,7 @@ int FN(paged_prefill_attention)(const T *q, int64_t q_tok_stride, int64_t q_head
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t it = 0; it < (amx_seqs + tiles) * hkv; it++) {
+        for (int64_t it = 0; it < items; it++) {
             if (!scores || !probs || (amx_seqs && !kvbuf)) continue;
 #if HAVE_AMX
             if (it < amx_seqs * hkv) {

@@ -511,6 +511,22 @@ def test_prefill_chunks_of_16_queries_on_amx_tiles_match_the_vector_kernel(num_q
     assert torch.equal(tiles[:15], vector[:15])  # the 15-query chunk (the decode is not in a prefill's rows)
 
 
+def test_a_prefill_whose_every_sequence_takes_tiles_runs_on_every_thread():
+    """The parallel region's condition counts the AMX work items too: a prefill of two 16+ query
+    chunks (all on tiles) once ran on one thread; one 5-query chunk of one KV head (one vector
+    item) runs on one."""
+    from kernels import cpu_gemm
+
+    if not (_dp_bf16() and cpu_gemm.amx_in_use()):
+        pytest.skip("no AMX tiles here (CPU, compiler or Linux): every prefill item is a vector one")
+    lib = cpu_native.library()
+    inputs = make_paged_inputs([16, 40], [16, 100], 9, 3, 64, 16, dtype=torch.bfloat16)
+    assert _tiled_prefill(inputs, 2) is not None
+    assert lib.batchgen_prefill_threads() == 2
+    assert _tiled_prefill(make_paged_inputs([5], [5], 3, 1, 64, 16, dtype=torch.bfloat16), 2) is not None
+    assert lib.batchgen_prefill_threads() == 1
+
+
 def test_tiled_prefill_declines_what_it_does_not_take_and_ops_fall_back_to_rows(monkeypatch):
     bf = make_paged_inputs([5, 9], [5, 20], 9, 3, 64, 16, dtype=torch.bfloat16)
     assert _tiled_prefill(make_paged_inputs([5, 9], [5, 20], 9, 3, 64, 16)) is None  # fp32
