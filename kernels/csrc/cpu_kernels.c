@@ -483,57 +483,68 @@ static inline void argmax_take(float *top, int64_t *idx, float v, int64_t j, int
     if (first || (*top == *top && (v != v || v > *top))) *top = v, *idx = j;
 }
 
-#define GEMM_ARGMAX_DRIVER(GEMM, EPI)                                                                \
-    const int64_t panels = (n + 63) / 64, cp = argmax_chunk_panels(m);                               \
-    if (num_threads < 1) num_threads = 1;                                                            \
-    if (num_threads > panels) num_threads = (int)panels;                                             \
-    float *tops = (float *)malloc(sizeof(float) * (size_t)(num_threads * m));                        \
-    int64_t *idxs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_threads * m));                 \
-    int rc = tops && idxs ? 0 : 1, used = 1;                                                         \
-    if (!rc) {                                                                                       \
-        _Pragma("omp parallel num_threads(num_threads) if (num_threads > 1)")                         \
-        {                                                                                            \
-            int t = 0, nth = 1;                                                                      \
-            ARGMAX_THREAD(t, nth)                                                                    \
-            if (t == 0) used = nth;                                                                  \
-            float *scr = scratch + (int64_t)t * cp * 64 * m, *tp = tops + (int64_t)t * m;             \
-            int64_t *ip = idxs + (int64_t)t * m;                                                     \
-            const int64_t p0 = panels * t / nth, p1 = panels * (t + 1) / nth;                         \
-            for (int64_t pp = p0; pp < p1 && !rc; pp += cp) {                                       \
-                const int64_t c0 = pp * 64, c1 = (pp + cp < p1 ? pp + cp : p1) * 64;                  \
-                const int64_t cols = (c1 < n ? c1 : n) - c0;                                          \
-                const int e = GEMM(x, xs, m, k, w + c0 * k, cols, (void *)scr, cols, NULL, 0, EPI, 1); \
-                if (e) {                                                                             \
-                    _Pragma("omp atomic write")                                                      \
-                    rc = e;                                                                          \
-                    break;                                                                           \
-                }                                                                                    \
-                for (int64_t r = 0; r < m; r++) {                                                    \
-                    float v;                                                                         \
-                    const int64_t j = row_argmax(scr + r * cols, cols, &v);                          \
-                    argmax_take(tp + r, ip + r, v, c0 + j, pp == p0);                                \
-                }                                                                                    \
-            }                                                                                        \
-        }                                                                                            \
-        for (int t = 0; t < used && !rc; t++)                                                        \
-            for (int64_t r = 0; r < m; r++) argmax_take(top + r, out + r, tops[t * m + r], idxs[t * m + r], t == 0); \
-    }                                                                                                \
-    free(tops);                                                                                      \
-    free(idxs);                                                                                      \
-    return rc;
+/* One thread's chunk: x (m, k) @ the n columns of panels w -> out (m, n) fp32, on the calling thread. */
+typedef int (*ChunkGemm)(const void *x, int64_t xs, int64_t m, int64_t k, const void *w, int64_t n, float *out);
 
+static int chunk_f32(const void *x, int64_t xs, int64_t m, int64_t k, const void *w, int64_t n, float *out) {
+    return gemm_f32((const float *)x, xs, m, k, (const float *)w, n, out, n, NULL, 0, 0, 1);
+}
+
+static int chunk_bf16(const void *x, int64_t xs, int64_t m, int64_t k, const void *w, int64_t n, float *out) {
+    return gemm_bf16((const uint16_t *)x, xs, m, k, (const uint16_t *)w, n, out, n, NULL, 0, GEMM_F32_OUT, 1);
+}
+
+static int gemm_argmax(ChunkGemm gemm, size_t esize, const void *x, int64_t xs, int64_t m, int64_t k,
+                       const char *w, int64_t n, float *scratch, float *top, int64_t *out, int num_threads) {
+    const int64_t panels = (n + 63) / 64, cp = argmax_chunk_panels(m);
+    if (num_threads < 1) num_threads = 1;
+    if (num_threads > panels) num_threads = (int)panels;
+    float *tops = (float *)malloc(sizeof(float) * (size_t)(num_threads * m));
+    int64_t *idxs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_threads * m));
+    int rc = tops && idxs ? 0 : 1, used = 1;
+    if (!rc) {
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1)
+        {
+            int t = 0, nth = 1;
 #ifdef _OPENMP
-#define ARGMAX_THREAD(t, nth) t = omp_get_thread_num(), nth = omp_get_num_threads();
-#else
-#define ARGMAX_THREAD(t, nth)
+            t = omp_get_thread_num();
+            nth = omp_get_num_threads();
 #endif
+            if (t == 0) used = nth;
+            float *scr = scratch + (int64_t)t * cp * 64 * m, *tp = tops + (int64_t)t * m;
+            int64_t *ip = idxs + (int64_t)t * m;
+            const int64_t p0 = panels * t / nth, p1 = panels * (t + 1) / nth;
+            for (int64_t pp = p0; pp < p1; pp += cp) {
+                const int64_t c0 = pp * 64, c1 = (pp + cp < p1 ? pp + cp : p1) * 64;
+                const int64_t cols = (c1 < n ? c1 : n) - c0;
+                const int e = gemm(x, xs, m, k, w + c0 * k * (int64_t)esize, cols, scr);
+                if (e) {
+#pragma omp atomic write
+                    rc = e;
+                    break;
+                }
+                for (int64_t r = 0; r < m; r++) {
+                    float v;
+                    const int64_t j = row_argmax(scr + r * cols, cols, &v);
+                    argmax_take(tp + r, ip + r, v, c0 + j, pp == p0);
+                }
+            }
+        }
+        for (int t = 0; t < used && !rc; t++)
+            for (int64_t r = 0; r < m; r++) argmax_take(top + r, out + r, tops[t * m + r], idxs[t * m + r], t == 0);
+    }
+    free(tops);
+    free(idxs);
+    return rc;
+}
 
 int gemm_argmax_f32(const float *x, int64_t xs, int64_t m, int64_t k, const float *w, int64_t n, float *scratch,
                     float *top, int64_t *out, int num_threads) {
-    GEMM_ARGMAX_DRIVER(gemm_f32, 0)
+    return gemm_argmax(chunk_f32, sizeof(float), x, xs, m, k, (const char *)w, n, scratch, top, out, num_threads);
 }
 
 int gemm_argmax_bf16(const uint16_t *x, int64_t xs, int64_t m, int64_t k, const uint16_t *w, int64_t n,
                      float *scratch, float *top, int64_t *out, int num_threads) {
-    GEMM_ARGMAX_DRIVER(gemm_bf16, GEMM_F32_OUT)
+    return gemm_argmax(chunk_bf16, sizeof(uint16_t), x, xs, m, k, (const char *)w, n, scratch, top, out,
+                       num_threads);
 }
