@@ -18,6 +18,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.families import read_model_args
 from engine.model import ModelArgs, Transformer
 from engine.model_runner import DTYPES, ModelRunner, kv_block_bytes
 from engine.outputs import RequestOutput
@@ -44,7 +45,8 @@ class LLMEngine:
 
             checkpoint = load_checkpoint(resolve_model(config.model))
         self.tokenizer = checkpoint.tokenizer
-        self.model_args = ModelArgs.from_hf_config(checkpoint.config)
+        self.model_args = getattr(checkpoint, "args", None) or read_model_args(
+            checkpoint.config, getattr(checkpoint, "source", "") or "config.json")
         self.max_model_len = min(config.max_model_len or self.model_args.max_position_embeddings,
                                  self.model_args.max_position_embeddings)
         model = _build_model(self.model_args, checkpoint.weights, config)
