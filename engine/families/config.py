@@ -100,6 +100,15 @@ class ConfigReader:
             raise ModelFileError(f"{self.source}: {key} must be true or false, got {value!r}")
         return value
 
+    def aliased_positive_int(self, *keys: str) -> int:
+        """One field that transformers spells several ways (its attribute_map): the value of whichever
+        keys are set, refused if two of them disagree."""
+        values = {key: self.get(key) for key in keys}
+        given = {key: value for key, value in values.items() if value is not None}
+        if len(set(given.values())) > 1:
+            raise ModelFileError(f"{self.source}: {' and '.join(given)} disagree ({given})")
+        return self.positive_int(next(iter(given), keys[0]))
+
     def refuse(self, key: str, value: Any, supported: str) -> None:
         raise ModelFileError(f"{self.source}: {key} = {value!r} is not supported ({supported})")
 

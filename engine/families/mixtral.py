@@ -15,7 +15,7 @@ def read(cfg: ConfigReader) -> ModelArgs:
     common = read_common(cfg)
     theta, scaling = read_rope(cfg)
     return ModelArgs(**common, rope_theta=theta, rope_scaling=scaling, activation=read_activation(cfg),
-                     num_experts=cfg.positive_int("num_local_experts"),
+                     num_experts=cfg.aliased_positive_int("num_local_experts", "num_experts"),
                      num_experts_per_tok=cfg.positive_int("num_experts_per_tok"),
                      moe_intermediate_size=common["intermediate_size"], norm_topk_prob=True,
                      **every_layer_window(cfg, common["n_layers"]))

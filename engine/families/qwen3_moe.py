@@ -16,8 +16,7 @@ def read(cfg: ConfigReader) -> ModelArgs:
     common = read_common(cfg)
     theta, scaling = read_rope(cfg)
     bias = cfg.flag("attention_bias", False)
-    # transformers' attribute_map: num_experts is also spelled num_local_experts
-    experts = cfg.positive_int("num_experts" if cfg.has("num_experts") else "num_local_experts")
+    experts = cfg.aliased_positive_int("num_experts", "num_local_experts")  # transformers' attribute_map
     step = cfg.positive_int("decoder_sparse_step", 1)
     mlp_only = cfg.get("mlp_only_layers", [])
     dense = tuple(i for i in range(common["n_layers"]) if i in mlp_only or (i + 1) % step)
