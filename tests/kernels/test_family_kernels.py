@@ -57,7 +57,8 @@ def _reference(inputs, window: int) -> torch.Tensor:
     decodes = paged_decode_attention_ref(inputs.q[:nd], *caches, meta.block_tables[:nd],
                                          meta.context_lens[:nd], inputs.scale, window)
     lens = (meta.query_lens_cpu[nd:], meta.context_lens_cpu[nd:])
-    chunks = paged_prefill_attention_ref(inputs.q[nd:], *caches, meta.block_tables[nd:], *lens, inputs.scale, window)
+    chunks = paged_prefill_attention_ref(inputs.q[nd:], *caches, meta.block_tables[nd:], *lens, inputs.scale,
+                                         window)
     return torch.cat([decodes, chunks])
 
 
