@@ -188,6 +188,11 @@ def _rope_scaling(arch: str, metadata: dict, path: Path) -> dict:
     if kind == "linear":
         return {"rope_scaling": {"rope_type": "linear", "factor": _f32(factor)}}
     if kind == "yarn":
+        tuned = sorted(key for key in metadata if key.startswith(f"{arch}.rope.scaling.yarn_")
+                       or key == f"{arch}.rope.scaling.attn_factor")
+        if tuned:
+            raise ModelFileError(f"{path}: {', '.join(tuned)} not supported (yarn with its default betas and "
+                                 "attention factor)")
         original = metadata.get(f"{arch}.rope.scaling.original_context_length")
         return {"rope_scaling": {"rope_type": "yarn", "factor": _f32(factor),
                                  "original_max_position_embeddings": int(original)}}

@@ -127,3 +127,98 @@ def hf_generate(directory: Path, prompts: list[list[int]], max_new_tokens: int, 
             steps.append(dict(zip(indices.tolist(), values.tolist(), strict=True)))
         results.append((tokens, steps))
     return results
+
+
+# ---------------------------------------------------------------- the checkpoints as llama.cpp writes them
+
+# GGUF architecture of each family llama.cpp converts (Mixtral is llama with experts)
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+              "mixtral": "llama"}
+# Hugging Face name within model.layers.N -> GGUF name within blk.N (llama.cpp's tensor names)
+_GGUF_LAYER = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+_GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
+def write_gguf(hf_dir: Path, path: Path, extra: dict | None = None) -> Path:
+    """A float32 GGUF file of a transformers checkpoint, written as llama.cpp's converter does (written
+    here from llama.cpp's documented conventions, as the test oracle): `{arch}.*` metadata, blk.N
+    tensor names, q/k rows interleaved for llama's rotary, each MoE layer's experts stacked (E, ...),
+    and a byte-level BPE vocabulary of the ByteTokenizer's 259 ids; `extra` tensors are added as given."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from tests.engine.conftest import llama_cpp_permute
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    arch = GGUF_ARCHS[config["model_type"]]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _gguf_metadata(writer, config)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, array in tensors.items():
+        array = array.astype(np.float32)
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            writer.add_tensor(_GGUF_GLOBAL[name], array)
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        if ".experts." in rest:
+            head, tail = rest.split(".experts.")
+            expert, leaf = tail.split(".")[:2]
+            experts.setdefault(f"blk.{layer}.{_GGUF_EXPERTS[leaf]}.weight", {})[int(expert)] = array
+            continue
+        module, kind = rest.rsplit(".", 1)
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            heads = config["num_attention_heads"] if "q_proj" in module else config["num_key_value_heads"]
+            array = llama_cpp_permute(array, heads)
+        writer.add_tensor(f"blk.{layer}.{_GGUF_LAYER[module]}.{kind}", array)
+    for name, per_expert in experts.items():
+        writer.add_tensor(name, np.stack([per_expert[e] for e in sorted(per_expert)]))
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_metadata(writer, config: dict) -> None:
+    from tokenizers import pre_tokenizers
+
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 tokens: ids 0..255, then the specials
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(byte_chars + ["<s>", "</s>", "<pad>"])
+    writer.add_token_types([1] * 256 + [3, 3, 3])
+    writer.add_token_merges([])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+    writer.add_pad_token_id(258)
