@@ -38,6 +38,19 @@ ARCHS = {
     "qwen3": Arch("qwen3", permuted_qk=False),
     "qwen3moe": Arch("qwen3_moe", permuted_qk=False),
 }
+# GGUF files read as a model_type other than their architecture's, and what in them says so
+_READ_AS = {"mixtral": ("llama", "with experts"), "mistral": ("llama", "with a sliding window")}
+
+
+def gguf_archs_of(model_type: str) -> list[str]:
+    """The GGUF architectures (general.architecture) read as `model_type`, for `batchgen models list`."""
+    archs = [arch for arch, spec in ARCHS.items() if spec.model_type == model_type]
+    if model_type in _READ_AS:
+        arch, how = _READ_AS[model_type]
+        archs.append(f"{arch} {how}")
+    return archs
+
+
 # config.json's architectures entry of each model_type a GGUF file reads as
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}

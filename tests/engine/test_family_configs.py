@@ -148,3 +148,20 @@ def test_llama3_config_is_read_with_its_scaling():
     assert args.rope_theta == 500000.0 and args.rope_scaling.type == "llama3"
     assert (args.rope_scaling.factor, args.rope_scaling.original_max_position_embeddings) == (8.0, 8192)
     assert not args.plain_llama or args.rope_scaling is not None  # the fast CPU path keeps rope tables
+
+
+def test_models_list_names_every_family_and_what_it_covers():
+    from click.testing import CliRunner
+
+    from jobs.cli import cli
+
+    listed = CliRunner().invoke(cli, ["models", "list"])
+    assert listed.exit_code == 0, listed.output
+    lines = listed.output.splitlines()
+    columns = ["FAMILY", "MODEL_TYPE", "GGUF", "COVERS"]
+    header = next(i for i, line in enumerate(lines) if line.split()[:4] == columns)
+    rows = {}
+    for family in FAMILIES:
+        rows[family.name] = next(line for line in lines[header + 1:] if line.startswith(family.name + " "))
+        assert family.model_types[0] in rows[family.name] and family.covers in rows[family.name]
+    assert "llama with experts" in rows["Mixtral"] and "qwen3moe" in rows["Qwen3-MoE"]
