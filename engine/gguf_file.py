@@ -323,6 +323,15 @@ def _first_line(exc: Exception) -> str:
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b")
 # ... and these apply the GPT-2 regex alone
 _GPT2 = ("gpt-2", "gpt2", "mpt", "olmo", "jais")
+# ... and these their own split expression, then the byte-level mapping (no regex of its own): Llama 3's
+# keeps runs of up to three digits, Qwen2's (Qwen2, Qwen2.5, Qwen3) splits every digit apart
+_CONTRACTIONS_LETTERS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_PUNCTUATION_SPACES = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_SPLITS = {
+    "llama-bpe": _CONTRACTIONS_LETTERS + r"\p{N}{1,3}" + _PUNCTUATION_SPACES,
+    "llama3": _CONTRACTIONS_LETTERS + r"\p{N}{1,3}" + _PUNCTUATION_SPACES,
+    "qwen2": _CONTRACTIONS_LETTERS + r"\p{N}" + _PUNCTUATION_SPACES,
+}
 
 
 def gguf_tokenizer(metadata: dict, path: Path, config: dict) -> Tokenizer:
@@ -367,13 +376,18 @@ def gguf_tokenizer(metadata: dict, path: Path, config: dict) -> Tokenizer:
 
 
 def _gguf_pre_tokenizer(pre: str | None, path: Path, pre_tokenizers):
+    from tokenizers import Regex
+
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
     if pre in _DIGITS_THEN_GPT2:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2:
         return byte_level
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ModelFileError(f"{path}: pre-tokenizer tokenizer.ggml.pre={pre!r} is not supported "
-                         f"(supported: {', '.join(_DIGITS_THEN_GPT2 + _GPT2)})")
+                         f"(supported: {', '.join(_DIGITS_THEN_GPT2 + _GPT2 + tuple(_SPLITS))})")
 
 
 def _post_processor(add_bos: bool, bos: str | None, bos_id: int | None, processors):

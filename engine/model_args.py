@@ -9,6 +9,7 @@ experts...). `RopeScaling` is how a checkpoint rescales the rotary embedding's f
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 
 FULL, SLIDING = "full_attention", "sliding_attention"  # layer types, as transformers names them
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
@@ -95,7 +96,7 @@ class ModelArgs:
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
-    @property
+    @cached_property
     def plain_llama(self) -> bool:
         """Whether every layer is a plain Llama layer (rope scaling aside: it lives in the cos/sin
         table), which the CPU's one-call decode step (kernels/decode_layers.py) is written for."""

@@ -84,3 +84,25 @@ def test_gguf_llama3_rope_frequencies_are_refused(files, tmp_path):
     path = write_gguf(hf_dir, tmp_path / "l3.gguf", extra={"rope_freqs.weight": np.ones(8, dtype=np.float32)})
     with pytest.raises(ModelFileError, match=r"l3\.gguf: tensor rope_freqs\.weight .* not supported in GGUF"):
         LLM(str(path), num_kv_blocks=8)
+
+
+TEXTS = ["Hello world 12345 and 7", "it's   they'll\n\n  x=1+2;\r\n", "naïve café 3.14159 ÅÄÖ 東京 🙂", "  \t a"]
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt-2"])
+def test_gguf_pre_tokenizers_split_as_transformers_gguf_tokenizer_does(tmp_path, pre):
+    """Qwen2's and Llama 3's split expressions (tokenizer.ggml.pre qwen2, llama-bpe) and GPT-2's,
+    against transformers' own GGUF tokenizer on text with digits, contractions, newlines and Unicode
+    (not smollm: transformers gives it GPT-2's split, where SmolLM's tokenizer.json splits digits)."""
+    from transformers import AutoTokenizer
+
+    from engine.loader import load_gguf
+    from tests.engine.conftest import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "t.gguf", pre=pre)
+    ours = load_gguf(tmp_path / "t.gguf").tokenizer
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
+    for text in TEXTS:
+        pieces = [p for p, _ in ours.backend.pre_tokenizer.pre_tokenize_str(text)]
+        assert pieces == [p for p, _ in theirs.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)], text
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False)
