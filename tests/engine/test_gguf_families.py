@@ -86,7 +86,8 @@ def test_gguf_llama3_rope_frequencies_are_refused(files, tmp_path):
         LLM(str(path), num_kv_blocks=8)
 
 
-TEXTS = ["Hello world 12345 and 7", "it's   they'll\n\n  x=1+2;\r\n", "naïve café 3.14159 ÅÄÖ 東京 🙂", "  \t a"]
+TEXTS = ["Hello world 12345 and 7", "it's   they'll\n\n  x=1+2;\r\n", "naïve café 3.14159 ÅÄÖ 東京 🙂",
+         "  \t a"]
 
 
 @pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt-2"])
