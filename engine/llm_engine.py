@@ -51,7 +51,7 @@ class LLMEngine:
                                  self.model_args.max_position_embeddings)
         model = _build_model(self.model_args, checkpoint.weights, config)
         self.runner = ModelRunner(model, config.block_size, self.max_model_len, config.max_num_seqs,
-                                  config.max_num_batched_tokens, enforce_eager=config.enforce_eager)
+                                  config.max_num_batched_tokens, enforce_eager=self._eager(config))
         self.structured = StructuredOutputs(self.tokenizer, self.model_args.vocab_size)
         self.sampler = Sampler(config.seed, self.runner.staging, self.structured)
         num_blocks = self._num_kv_blocks()
@@ -66,6 +66,15 @@ class LLMEngine:
         self._detoks: dict[int, object] = {}  # seq_index -> incremental detokenizer (stop strings only)
         self._ids = itertools.count()
         self._isolating = False
+
+    def _eager(self, config: EngineConfig) -> bool:
+        """No CUDA graphs for mixture-of-experts models: their experts run through a torch reference
+        that reads how many tokens each expert got on the host, which a graph cannot capture."""
+        if self.model_args.num_experts and config.device_kind == "cuda" and not config.enforce_eager:
+            log.info("mixture of experts: decode steps run eagerly (no CUDA graphs) until the grouped "
+                     "expert kernel replaces the torch reference")
+            return True
+        return config.enforce_eager
 
     def _num_kv_blocks(self) -> int:
         """KV blocks: as configured, else what the memory budget holds, never more than every
