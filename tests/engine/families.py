@@ -195,19 +195,13 @@ def write_gguf(hf_dir: Path, path: Path, extra: dict | None = None) -> Path:
 def _gguf_metadata(writer, config: dict) -> None:
     from tokenizers import pre_tokenizers
 
+    from tests.engine.conftest import write_shape_metadata
+
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 tokens: ids 0..255, then the specials
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
+    write_shape_metadata(writer, config, config["rope_parameters"]["rope_theta"], config["vocab_size"])
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_vocab_size(config["vocab_size"])
     experts = config.get("num_local_experts") or config.get("num_experts")
     if experts:
         writer.add_expert_count(experts)
