@@ -37,6 +37,7 @@ REGIME = dict(max_num_seqs=3, max_num_batched_tokens=12, block_size=4, num_kv_bl
 # biases, experts), on two prompts
 TRITON_CASES = ["llama", "llama-llama3", "qwen2-window", "qwen3", "gemma3", "qwen3_moe"]
 TRITON_PROMPTS = [PROMPTS[1], PROMPTS[2]]
+TRITON_MAX_NEW = 4
 TRITON_REGIME = dict(max_num_seqs=2, max_num_batched_tokens=8, block_size=4, num_kv_blocks=16)
 
 
@@ -52,10 +53,10 @@ class _Store:
             self.dirs[case, dtype] = build_checkpoint(CASES[case], directory, getattr(torch, dtype))
         return self.dirs[case, dtype]
 
-    def reference(self, case: str, dtype: str, prompts=PROMPTS):
-        key = (case, dtype, str(prompts))
+    def reference(self, case: str, dtype: str, prompts=PROMPTS, max_new: int = MAX_NEW):
+        key = (case, dtype, str(prompts), max_new)
         if key not in self.refs:
-            self.refs[key] = hf_generate(self.directory(case, dtype), prompts, MAX_NEW, getattr(torch, dtype))
+            self.refs[key] = hf_generate(self.directory(case, dtype), prompts, max_new, getattr(torch, dtype))
         return self.refs[key]
 
 
@@ -70,9 +71,9 @@ def backend():
     ops.set_backend(None)
 
 
-def _generate(directory, dtype: str, prompts, regime) -> tuple[list, LLM]:
+def _generate(directory, dtype: str, prompts, regime, max_new: int = MAX_NEW) -> tuple[list, LLM]:
     llm = LLM(str(directory), dtype=dtype, **regime)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=5))
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0, logprobs=5))
     return [(o.token_ids, o.logprobs) for o in outs], llm
 
 
@@ -100,8 +101,9 @@ def test_family_equals_transformers(store, backend, case, kernels, dtype):
 def test_family_equals_transformers_on_triton_kernels(store, backend, case):
     pytest.importorskip("triton", reason="the Triton kernels need the triton package")
     backend("triton")
-    ours, llm = _generate(store.directory(case, "float32"), "float32", TRITON_PROMPTS, TRITON_REGIME)
-    _check(store.reference(case, "float32", TRITON_PROMPTS), ours, "float32")
+    ours, llm = _generate(store.directory(case, "float32"), "float32", TRITON_PROMPTS, TRITON_REGIME,
+                          TRITON_MAX_NEW)
+    _check(store.reference(case, "float32", TRITON_PROMPTS, TRITON_MAX_NEW), ours, "float32")
     assert any(s.num_prefill_seqs and s.num_decode_seqs for s in llm.iteration_stats)
 
 
