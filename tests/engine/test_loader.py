@@ -344,3 +344,18 @@ def test_smollm2_shapes_and_converted_dir_equal_gguf(smollm2_gguf, smollm2_dir):
     assert converted.config == smollm2_gguf.config
     for name, tensor in smollm2_gguf.weights.items():
         assert torch.equal(converted.weights[name], tensor), name
+
+
+def test_the_loader_does_not_import_the_registry():
+    """One direction only: the registry converts pulled GGUF files with the loader; the loader reads
+    what the registry resolved and imports nothing of it (the import loop that was here)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "engine"
+    for name in ("loader.py", "model_files.py", "gguf_file.py", "safetensors_file.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                     for alias in node.names}
+        assert "engine.registry" not in imported, name
