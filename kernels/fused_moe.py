@@ -68,36 +68,40 @@ def _moe_gemm_kernel(
     w[e, c] and u over w[e, N + c], silu(g) = g / (1 + exp(-g)). MUL_WEIGHT: out[p, c] *= weights[p].
 
     The grid covers the most blocks any routing can need (the host never reads how many it did);
-    blocks at or past num_padded exit at once, padding rows are masked out of loads and stores.
+    blocks at or past num_padded exit at once; padding rows are masked out of loads and stores.
     """
     block = tl.program_id(0)
-    if block * BLOCK_M < tl.load(num_padded_ptr):
-        pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))  # (BLOCK_M,)
-        pair_ok = pairs < num_pairs
-        expert = tl.load(block_experts_ptr + block).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        ks = tl.arange(0, BLOCK_K)
-        rows = (pairs // pairs_per_a_row).to(tl.int64)
-        a_ptrs = a_ptr + rows[:, None] * a_row_stride + ks[None, :]  # (BLOCK_M, BLOCK_K)
-        # (BLOCK_K, BLOCK_N): expert e's rows `cols`, read transposed
-        w_ptrs = w_ptr + expert * w_expert_stride + cols[None, :] * w_row_stride + ks[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # GATED only
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = ks < K - k0
-            a = tl.load(a_ptrs + k0, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
-            w_mask = k_ok[:, None] & col_ok[None, :]
-            acc = _dot(acc, a, tl.load(w_ptrs + k0, mask=w_mask, other=0.0), FP32)
-            if GATED:
-                w_up = tl.load(w_ptrs + N * w_row_stride + k0, mask=w_mask, other=0.0)
-                acc_up = _dot(acc_up, a, w_up, FP32)
+    if block * BLOCK_M >= tl.load(num_padded_ptr):
+        return  # a spare block
+    pairs = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))  # (BLOCK_M,)
+    pair_ok = pairs < num_pairs
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_cols = cols % N  # columns past N read row c % N (in bounds, never stored): no mask on w
+    ks = tl.arange(0, BLOCK_K)
+    rows = (pairs // pairs_per_a_row).to(tl.int64)
+    a_ptrs = a_ptr + rows[:, None] * a_row_stride + ks[None, :]  # (BLOCK_M, BLOCK_K)
+    # (BLOCK_K, BLOCK_N): expert e's rows `cols`, read transposed
+    w_ptrs = w_ptr + expert * w_expert_stride + w_cols[None, :] * w_row_stride + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # GATED only
+    for step in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = ks < K - step * BLOCK_K
+        a = tl.load(a_ptrs, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = _dot(acc, a, w, FP32)
         if GATED:
-            acc = acc * tl.sigmoid(acc) * acc_up
-        if MUL_WEIGHT:
-            acc = acc * tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
-        out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * N + cols[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
+            w_up = tl.load(w_ptrs + N * w_row_stride, mask=k_ok[:, None], other=0.0)
+            acc_up = _dot(acc_up, a, w_up, FP32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * N + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
