@@ -129,7 +129,7 @@ def align_pairs_to_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int
     """Group the pairs of topk_ids (T, k) by expert, in pair order within an expert, each group padded
     to a multiple of block_m (moe_align_block_size, in torch). Sizes depend only on T, k, E and
     block_m, never on the routing, so nothing is read back to the host. An expert id outside
-    0..E-1 fails in scatter_add_ (an IndexError on the CPU, a device assert on CUDA)."""
+    0..E-1 fails in scatter_add_ (a RuntimeError on the CPU, a device-side assert on CUDA)."""
     experts = topk_ids.reshape(-1).long()  # (T*k,) expert of pair p
     num_pairs, device = experts.numel(), experts.device
     counts = torch.zeros(num_experts, dtype=torch.long, device=device)
@@ -210,7 +210,7 @@ def fused_moe_cpu(
     counts = _expert_counts(experts, num_experts)
     order = torch.argsort(experts, stable=True)
     tokens, weights = order % num_tokens, topk_weights.t().reshape(-1)[order].float()
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
         if count:
