@@ -41,7 +41,8 @@ test: setup chromium
 # ignored here by name); compiled kernels on a GPU never take that path.
 TRITON_COMPAT := .cache/triton-3.6
 TRITON_TESTS := $(addprefix tests/kernels/,test_triton_version.py test_attention.py test_activation.py \
-	test_rms_norm.py test_rotary.py test_kv_cache.py test_ops.py test_metadata.py test_engine_triton.py)
+	test_rms_norm.py test_rotary.py test_kv_cache.py test_ops.py test_metadata.py test_engine_triton.py \
+	test_fused_moe.py)
 test-triton-compat: setup
 	test -d $(TRITON_COMPAT)/triton || $(PY) -m pip install -q --no-deps --target $(TRITON_COMPAT) \
 		'triton==3.6.*' 'numpy<2.4'

@@ -19,7 +19,10 @@ from jobs.store import WorkerRecord, no_worker_warning, read_worker_records
 
 LIVE_STATUSES = ("queued", "running")
 MAX_JOBS = 500  # jobs listed on the jobs page
-MAX_SHARDS = 5000  # shards listed on a job page
+SHARDS_PER_PAGE = 100  # shards a job page (and /api/jobs/<id>) lists at a time
+MAX_SHARDS_PER_PAGE = 1000  # the most /api/jobs/<id>/shards gives in one page
+SHARD_STATUSES = ("failed", "running", "queued", "cancelled", "completed")  # the order counts are shown in
+MAX_WORKERS = 1000  # workers listed in a job's configuration table
 RECENT_WINDOW_S = 60.0  # "recent" tokens/s of a worker: over this window before now
 HEARTBEAT_STALE_S = 30.0  # a worker with no record whose last iteration is older than this is gone
 BUSY_WITHIN_S = 10.0  # a live worker holding no shard at its heartbeat but iterating this recently: running
@@ -117,17 +120,43 @@ def parse_config(text: str | None) -> dict:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def job_worker_configs(shards: list[dict]) -> list[dict]:
-    """The engine config each worker that ran these shards (a job's `job_shards`) serves, from its own
-    record (what it really runs: a job never sets engine limits); [] before any worker took a shard."""
-    seen = {r["worker_id"] for r in shards if r.get("worker_id")}
+def job_worker_configs(job_id: str) -> list[dict]:
+    """The engine config each worker that ran the job's shards serves, from its own record (what it
+    really runs: a job never sets engine limits); [] before any worker took a shard."""
+    seen = [r["worker_id"] for r in fetch_dicts(queries.JOB_SHARD_WORKERS, {"job_id": job_id,
+                                                                             "limit": MAX_WORKERS})]
     records = {r.worker_id: r for r in read_worker_records(current_app.config["DATA_DIR"])}
     return [{"worker_id": wid, "engine_config": records[wid].engine_config if wid in records else {}}
-            for wid in sorted(seen)]
+            for wid in seen]
 
 
-def job_shards(job_id: str) -> list[dict]:
-    return fetch_dicts(queries.JOB_SHARDS, {"job_id": job_id, "limit": MAX_SHARDS})
+@dataclass
+class ShardPage:
+    """One page of a job's shards (failed and running ones first), with the job's counts by status:
+    what the job page and `/api/jobs/<id>/shards` show, the same size whatever the shard count."""
+
+    counts: dict[str, int]  # every shard of the job, by status
+    status: str | None  # the status the list is narrowed to (None: all)
+    page: int  # 1-based
+    per_page: int
+    total: int  # shards in the (narrowed) list
+    shards: list[dict]  # this page's rows
+
+    @property
+    def pages(self) -> int:
+        return max(1, -(-self.total // self.per_page))
+
+    def as_json(self) -> dict:
+        return {**asdict(self), "pages": self.pages}
+
+
+def job_shard_page(job_id: str, page: int = 1, per_page: int = SHARDS_PER_PAGE,
+                   status: str | None = None) -> ShardPage:
+    counts = {r["status"]: r["n"] for r in fetch_dicts(queries.JOB_SHARD_COUNTS, {"job_id": job_id})}
+    rows = fetch_dicts(queries.JOB_SHARDS_PAGE, {"job_id": job_id, "status": status, "limit": per_page,
+                                                 "offset": (page - 1) * per_page})
+    total = counts.get(status, 0) if status else sum(counts.values())
+    return ShardPage(counts, status, page, per_page, total, rows)
 
 
 def job_outputs_sample(job_id: str, limit: int) -> list[dict]:

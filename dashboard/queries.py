@@ -43,10 +43,20 @@ JOBS_SUMMARY = _JOBS_SUMMARY.format(live_where="", error_filter="", job_filter="
 JOB_SUMMARY = _JOBS_SUMMARY.format(live_where="WHERE job_id = $job_id", error_filter="AND job_id = $job_id",
                                    job_filter="WHERE j.job_id = $job_id")
 
-JOB_SHARDS = """
+# One page of a job's shards: the ones that need a look first (failed, then running), then the
+# rest by id; `$status` (NULL = every status) narrows the list to one status
+JOB_SHARDS_PAGE = """
 SELECT shard_id, status, attempts, worker_id, num_requests, rows_done, output_tokens,
        epoch(started_at) AS started_ts, epoch(finished_at) AS finished_ts, error
-FROM shards WHERE job_id = $job_id ORDER BY shard_id LIMIT $limit
+FROM shards WHERE job_id = $job_id AND ($status IS NULL OR status = $status)
+ORDER BY CASE status WHEN 'failed' THEN 0 WHEN 'running' THEN 1 ELSE 2 END, shard_id
+LIMIT $limit OFFSET $offset
+"""
+JOB_SHARD_COUNTS = "SELECT status, count(*) AS n FROM shards WHERE job_id = $job_id GROUP BY status"
+# the workers that ran a job's shards (one row each, however many shards)
+JOB_SHARD_WORKERS = """
+SELECT DISTINCT worker_id FROM shards WHERE job_id = $job_id AND worker_id IS NOT NULL
+ORDER BY worker_id LIMIT $limit
 """
 
 # A sample of outputs: the first rows by request id (numeric ids in numeric order)

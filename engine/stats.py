@@ -1,7 +1,7 @@
 """Per-iteration and per-request telemetry.
 
 The field names of `IterationStats` and `RequestStats` are the column names of the `iterations`
-and `requests` DuckDB views (DESIGN.md, Views): keep them in step. Both are zero-default
+and `requests` DuckDB views: keep them in step. Both are zero-default
 dataclasses so a consumer can build an empty row and fill what it knows.
 """
 

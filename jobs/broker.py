@@ -1,4 +1,4 @@
-"""Which broker, which queue, and the broker timeouts a shard needs (DESIGN.md "Queue and workers").
+"""Which broker, which queue, and the broker timeouts a shard needs.
 
 `BATCHGEN_BROKER_URL` picks Redis (`redis://`) or RabbitMQ (`amqp://`) for several machines; unset,
 the embedded broker under DATA_DIR/broker/ serves one machine with no server (jobs.embedded_broker).

@@ -1,6 +1,6 @@
 """The Celery app and its one task: run a shard. The task is a thin wrapper over `jobs.shard_runner`.
 
-Delivery guarantees (DESIGN.md "Queue and workers"): late acks (a message is acknowledged when its
+Delivery guarantees: late acks (a message is acknowledged when its
 shard is committed, failed for good, or handed to a retry), rejected when the worker is lost, one
 message prefetched per worker thread, retries with exponential backoff up to the job's
 `max_retries`. Idempotence lives in the shard runner: a committed shard is never generated again.

@@ -1,4 +1,4 @@
-"""The job commands of `batchgen`: run, submit, worker, status, cancel, retry (DESIGN.md "CLI").
+"""The job commands of `batchgen`: run, submit, worker, status, cancel, retry.
 
 Exit codes: 0 done; 1 the job (or a worker) failed, or the environment did (a broker out of reach,
 a full disk: jobs.cli); 2 bad usage or bad input (click's usage error), with a message naming the

@@ -1,4 +1,4 @@
-"""The input contract (DESIGN.md "Input Parquet"): which files, which columns, which rows can run.
+"""The input contract: which files, which columns, which rows can run.
 
 Two kinds of bad input, handled differently:
 

@@ -3,7 +3,8 @@
 On CUDA it runs serving shapes in bf16 and fp16 (decode: 64-256 sequences, contexts 512-4096;
 prefill: 2k-8k tokens) and prints achieved HBM GB/s for the memory-bound kernels and TFLOP/s for
 prefill attention. `--device cpu --quick` runs the same table at toy shapes through the Triton
-interpreter (TRITON_INTERPRET=1), which is how CI keeps this script working. Exits 1 when any
+interpreter (TRITON_INTERPRET=1), which is how CI keeps this script working. `--moe-cpu` times the
+MoE layer's CPU path against its torch reference instead (no Triton needed). Exits 1 when any
 kernel disagrees with its reference beyond the dtype's tolerance.
 """
 
@@ -19,11 +20,16 @@ from dataclasses import dataclass
 import torch
 
 from kernels import activation, attention_decode, attention_prefill, kv_cache, rms_norm, rotary
+from kernels.fused_moe import fused_moe_cpu, fused_moe_ref, fused_moe_triton, select_experts
 from kernels.testing import PagedInputs, make_paged_inputs
 
 # dtype -> (atol, rtol) of a Triton kernel against the torch reference run in the same dtype
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (3e-2, 3e-2)}
 MODELS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # (query heads, KV heads, head dim)
+# (hidden, expert intermediate, experts, top k) of MoE layers: Qwen3-30B-A3B's, the same with D and I / 4
+# (the CPU table: the routing as in the model, a quarter of the weights per expert), and a toy one
+MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "qwen3-30b-a3b/4": (512, 192, 128, 8),
+              "toy": (40, 24, 6, 2)}
 
 
 @dataclass
@@ -143,6 +149,23 @@ def prefill_case(name: str, query_lens: list[int], context_lens: list[int], mode
                 flops=4 * visible * num_q_heads * head_dim)
 
 
+def moe_case(tokens: int, shape: str, dtype, device, run: Callable = fused_moe_triton) -> Case:
+    """The MoE MLP of `tokens` tokens routed by random logits, `run` (the Triton launcher, or the
+    CPU path) against the fp32 reference; flops counts the three expert GEMMs of every routed pair."""
+    hidden, inter, num_experts, top_k = MOE_SHAPES[shape]
+
+    def make():
+        gen = torch.Generator(device=device).manual_seed(tokens)
+        x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+        w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device) / hidden**0.5
+        w2 = torch.randn(num_experts, hidden, inter, generator=gen, device=device) / inter**0.5
+        logits = torch.randn(tokens, num_experts, generator=gen, device=device)
+        return (x, w13.to(dtype), w2.to(dtype), *select_experts(logits, top_k, renormalize=True))
+
+    return Case("fused_moe", f"T={tokens} {shape}", make, lambda a: run(*a), lambda a: fused_moe_ref(*a),
+                flops=6 * tokens * top_k * hidden * inter)
+
+
 def serving_cases(dtype, device) -> list[Case]:
     """The GPU table: serving shapes for both model shapes."""
     cases = []
@@ -156,7 +179,7 @@ def serving_cases(dtype, device) -> list[Case]:
             prefill_case("128 decodes + 1920 chunk", [1] * 128 + [1920], [1024] * 128 + [1920], model,
                          dtype, device),
         ]
-    return cases
+    return cases + [moe_case(tokens, "qwen3-30b-a3b", dtype, device) for tokens in (16, 256, 4096)]
 
 
 def quick_cases(dtype, device) -> list[Case]:
@@ -166,7 +189,39 @@ def quick_cases(dtype, device) -> list[Case]:
         decode_case(2, 600, "smollm2", dtype, device),  # 2 sequences: split across programs + merge
         prefill_case("2x12 prompts", [12, 12], [12, 12], "smollm2", dtype, device),
         prefill_case("2 decodes + 9 chunk after 20", [1, 1, 9], [17, 33, 29], "smollm2", dtype, device),
+        moe_case(9, "toy", dtype, device),
     ]
+
+
+def moe_cpu_rows(dtypes: list[torch.dtype], reps: int, shape: str = "qwen3-30b-a3b/4") -> list[Row]:
+    """The MoE layer's CPU path against its torch reference at a decode step and a prefill chunk (by
+    default Qwen3-30B-A3B's routing, D and I / 4), the two timed in turn so load changes hit both alike."""
+    cpu = torch.device("cpu")
+    return [_in_turn_row(moe_case(tokens, shape, dtype, cpu, run=fused_moe_cpu), dtype, reps)
+            for dtype in dtypes for tokens in (16, 256)]
+
+
+def _in_turn_row(case: Case, dtype: torch.dtype, reps: int) -> Row:
+    inputs = case.make()
+    got, want = case.run_triton(inputs), case.run_torch(inputs)
+    atol, rtol = TOLERANCES[dtype]
+    ok = bool(torch.allclose(got.double(), want.double(), atol=atol, rtol=rtol))
+    err = (got.double() - want.double()).abs().max().item()
+    ms, torch_ms = time_in_turn(lambda: case.run_triton(inputs), lambda: case.run_torch(inputs), reps)
+    rate = f"{case.flops / ms / 1e9:8.3f} TFLOP/s"
+    return Row(case.op, case.shape, str(dtype).removeprefix("torch."), err, ok, ms, torch_ms, rate)
+
+
+def time_in_turn(first: Callable[[], object], second: Callable[[], object], reps: int) -> tuple[float, float]:
+    """Median milliseconds per call of two functions on the CPU, called alternately after a warm-up."""
+    samples: tuple[list[float], list[float]] = ([], [])
+    first(), second()
+    for _ in range(reps):
+        for fn, times in ((first, samples[0]), (second, samples[1])):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
@@ -201,8 +256,8 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, reps: int) ->
     return Row(case.op, case.shape, str(dtype).removeprefix("torch."), err, ok, triton_ms, torch_ms, rate)
 
 
-def format_table(rows: list[Row]) -> str:
-    head = f"{'kernel':20} {'workload':38} {'dtype':9} {'max_err':>9} {'ok':>4} {'triton ms':>10} " \
+def format_table(rows: list[Row], candidate: str = "triton") -> str:
+    head = f"{'kernel':20} {'workload':38} {'dtype':9} {'max_err':>9} {'ok':>4} {candidate + ' ms':>10} " \
            f"{'torch ms':>10} {'speedup':>8}  rate"
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -219,7 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float16", "float32"],
                         help="default: bfloat16 float16 on CUDA, float32 float16 on CPU")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per kernel")
+    parser.add_argument("--moe-cpu", action="store_true",
+                        help="time the MoE layer's CPU path against its torch reference instead (CPU only)")
     args = parser.parse_args(argv)
+    if args.moe_cpu:
+        dtypes = [getattr(torch, d) for d in args.dtypes or ["float32", "bfloat16"]]
+        shape = "toy" if args.quick else "qwen3-30b-a3b/4"
+        return _report(moe_cpu_rows(dtypes, args.reps or 10, shape), "cpu")
     device = torch.device(args.device)
     if error := _unusable(device):
         print(f"kernels.bench: {error}", file=sys.stderr)
@@ -233,7 +294,11 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             rows.append(run_case(case, dtype, device, reps))
             print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)  # progress
-    print(format_table(rows))
+    return _report(rows, "triton")
+
+
+def _report(rows: list[Row], candidate: str) -> int:
+    print(format_table(rows, candidate))
     failed = [r for r in rows if not r.ok]
     print(f"{len(rows) - len(failed)}/{len(rows)} kernels match their torch reference")
     return 1 if failed else 0

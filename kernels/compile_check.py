@@ -21,10 +21,10 @@ from contextlib import contextmanager
 
 import torch
 
-from kernels import activation, attention_decode, attention_prefill, kv_cache, rms_norm, rotary
+from kernels import activation, attention_decode, attention_prefill, fused_moe, kv_cache, rms_norm, rotary
 from kernels.testing import make_paged_inputs
 
-KERNEL_MODULES = (rms_norm, activation, rotary, kv_cache, attention_decode, attention_prefill)
+KERNEL_MODULES = (rms_norm, activation, rotary, kv_cache, attention_decode, attention_prefill, fused_moe)
 # dynamic shared memory per block (bytes) of the architectures we target
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 LAUNCH_OPTIONS = ("num_warps", "num_stages")  # launch keywords that are compiler options, not arguments
@@ -107,7 +107,18 @@ def example_launches(dtype: torch.dtype, heads: str) -> dict[str, Callable[[], o
         "prefill_attention": lambda: attention_prefill.paged_prefill_attention_triton(
             q, paged.k_cache, paged.v_cache, meta.block_tables, meta.query_start_loc, meta.context_lens,
             meta.max_query_len, paged.scale),
+        # the MoE GEMMs at both tile configs: 1 pair per expert (BLOCK_M 16), 128 per expert (BLOCK_M 64)
+        "fused_moe_decode": lambda: fused_moe.fused_moe_triton(*_moe_inputs(4, dtype)),
+        "fused_moe_prefill": lambda: fused_moe.fused_moe_triton(*_moe_inputs(512, dtype)),
     }
+
+
+def _moe_inputs(num_tokens: int, dtype: torch.dtype, hidden: int = 256, inter: int = 96, experts: int = 8):
+    """x, w13, w2 and a top-2 routing over `experts` for num_tokens tokens."""
+    x = torch.randn(num_tokens, hidden, dtype=dtype)
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=dtype)
+    w2 = torch.randn(experts, hidden, inter, dtype=dtype)
+    return (x, w13, w2, *fused_moe.select_experts(torch.randn(num_tokens, experts), 2, True))
 
 
 def compile_all(arch: int, dtypes: list[torch.dtype], heads: list[str]) -> list[str]:

@@ -41,6 +41,7 @@ from kernels.attention_prefill import (
     paged_prefill_attention_ref,
     paged_prefill_attention_triton,
 )
+from kernels.fused_moe import fused_moe_cpu, fused_moe_ref, fused_moe_triton, select_experts
 from kernels.kv_cache import store_kv_cache_native, store_kv_cache_ref, store_kv_cache_triton
 from kernels.metadata import AttentionMetadata, build_attention_metadata
 from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_native, rms_norm_ref, rms_norm_triton
@@ -57,6 +58,7 @@ __all__ = [
     "argmax",
     "build_attention_metadata",
     "fused_add_rms_norm",
+    "fused_moe",
     "gelu_tanh_and_mul",
     "get_backend",
     "linear",
@@ -67,6 +69,7 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
+    "select_experts",
     "set_backend",
     "silu_and_mul",
     "store_kv_cache",
@@ -177,6 +180,12 @@ KERNELS: dict[str, dict[str, Callable]] = {
         "triton": argmax_ref,  # torch's CUDA reduction
         "cpu-native": argmax_native,
     },
+    # the mixture-of-experts MLP; cpu-native is torch's own GEMMs grouped by expert (no C kernel)
+    "fused_moe": {
+        "torch": fused_moe_ref,
+        "triton": fused_moe_triton,
+        "cpu-native": fused_moe_cpu,
+    },
     "linear": {
         "torch": cpu_gemm.linear_ref,
         "triton": cpu_gemm.linear_ref,  # cuBLAS through torch
@@ -257,6 +266,19 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x (S, V) -> (S,) int64, each row's first maximum (first NaN), as torch.argmax(dim=-1)."""
     return _pick("argmax", x, fits=x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0)(x)
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The MoE MLP of x (T, D): each token through its k experts topk_ids (T, k), w13 (E, 2I, D) their
+    [gate | up] rows and w2 (E, D, I) their down projections, weighted by topk_weights (T, k) and
+    summed (see kernels.fused_moe; select_experts makes the weights and ids). The CPU path takes
+    CPU tensors of any dtype; cuda tensors forced onto cpu-native take the reference."""
+    backend = get_backend(x)
+    if backend == "cpu-native" and not x.is_cpu:
+        backend = "torch"
+    return KERNELS["fused_moe"][backend](x, w13, w2, topk_weights, topk_ids)
 
 
 def store_kv_cache(

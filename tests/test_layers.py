@@ -1,4 +1,4 @@
-"""Imports run one way (DESIGN.md): kernels <- engine <- jobs.store <- jobs <- dashboard.
+"""Imports run one way (docs/ARCHITECTURE.md): kernels <- engine <- jobs.store <- jobs <- dashboard.
 
 Parsed from the source, not imported: every `import` / `from ... import` in the four packages (at any
 depth, lazy ones inside functions included) is checked against what its layer may use. `engine.stats`

@@ -8,7 +8,7 @@ compaction, and skipped quietly while someone holds the file. The catalog's view
 to the data dir (DuckDB resolves them against the working directory or `file_search_path`), so a
 copied or moved data dir reads its own files, never the old one's.
 
-Views (DESIGN.md "Views"; their building blocks are internal views in the schema `_bg`, out of
+Views (the contract users query; their building blocks are internal views in the schema `_bg`, out of
 `SHOW TABLES`; `_bg_*` columns are internal):
 
 - `jobs`, `shards`: status derived from job records, shard events, cancel requests and commits.

@@ -155,7 +155,7 @@ def _stats_columns(stats: object) -> list[tuple[str, pa.DataType]]:
 
 
 _REQUEST_STATS = dict(_stats_columns(RequestStats()))
-REQUESTS = _schema(  # DESIGN.md's order first, then the rest of RequestStats
+REQUESTS = _schema(  # the views' documented order first, then the rest of RequestStats
     ("job_id", STR), ("shard_id", I64), ("request_id", STR), ("sample_index", I64), ("worker_id", STR),
     ("prompt_tokens", _REQUEST_STATS.pop("prompt_tokens")),
     ("output_tokens", _REQUEST_STATS.pop("output_tokens")),

@@ -24,8 +24,16 @@ def test_bench_runs_end_to_end_on_cpu():
     assert header.split()[:3] == ["kernel", "workload", "dtype"] and set(rule) == {"-"}
     ops = {row.split()[0] for row in rows[:-1]}
     assert ops == {"rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "store_kv_cache",
-                   "decode_attention", "prefill_attention"}
+                   "decode_attention", "prefill_attention", "fused_moe"}
     assert rows[-1] == f"{len(rows) - 1}/{len(rows) - 1} kernels match their torch reference"
+
+
+def test_bench_times_the_moe_cpu_path_without_triton_s_interpreter():
+    result = _run(["kernels.bench", "--moe-cpu", "--quick", "--reps", "1"], interpret=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    header, _, *rows = result.stdout.splitlines()
+    assert "cpu ms" in header and len(rows) == 5 and all(row.startswith("fused_moe ") for row in rows[:-1])
+    assert rows[-1] == "4/4 kernels match their torch reference"
 
 
 def test_bench_refuses_cpu_without_the_interpreter():
@@ -37,6 +45,6 @@ def test_every_kernel_compiles_for_sm90_without_spilling():
     args = ["kernels.compile_check", "--arch", "90", "--dtypes", "bfloat16", "float32"]
     result = _run(args, interpret=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "26 kernel builds ok, 0 failed" in result.stdout
+    assert "34 kernel builds ok, 0 failed" in result.stdout
     builds = result.stdout.splitlines()[:-1]
     assert all(" spill=0B " in line for line in builds), result.stdout  # cuobjdump ships with Triton
