@@ -68,13 +68,17 @@ class LLMEngine:
         self._isolating = False
 
     def _eager(self, config: EngineConfig) -> bool:
-        """No CUDA graphs for mixture-of-experts models: their experts run through a torch reference
-        that reads how many tokens each expert got on the host, which a graph cannot capture."""
-        if self.model_args.num_experts and config.device_kind == "cuda" and not config.enforce_eager:
-            log.info("mixture of experts: decode steps run eagerly (no CUDA graphs) until the grouped "
-                     "expert kernel replaces the torch reference")
-            return True
-        return config.enforce_eager
+        """No CUDA graphs for a mixture-of-experts model whose experts do not run on the Triton kernel:
+        the torch reference reads each expert's token count on the host, which a graph cannot capture."""
+        if not (self.model_args.num_experts and config.device_kind == "cuda") or config.enforce_eager:
+            return config.enforce_eager
+        from kernels import ops
+
+        if ops.get_backend(torch.empty(0, device=config.device)) == "triton":
+            return False
+        log.info("mixture of experts on the %s kernels: decode steps run eagerly (no CUDA graphs)",
+                 ops.get_backend(torch.empty(0, device=config.device)))
+        return True
 
     def _num_kv_blocks(self) -> int:
         """KV blocks: as configured, else what the memory budget holds, never more than every

@@ -122,43 +122,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = ops.linear(x, self.router)  # (T, E)
-        weights, ids = select_experts(logits, self.top_k, self.renormalize)  # (T, k) fp32, (T, k)
-        return fused_moe(x, self.w13, self.w2, weights, ids)  # (T, dim)
-
-
-# TODO(moe branch): replace select_experts and fused_moe with kernels.ops.select_experts and
-# kernels.ops.fused_moe (same signatures: the grouped expert kernel, Triton beside its torch
-# reference) once branch `moe` is merged; these are that API's torch reference, here until then.
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits (T, E) -> (weights (T, k) fp32, ids (T, k) int64): softmax in fp32 over all
-    experts, the top k, renormalised to sum to 1 when asked."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
-
-
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-    """x (T, D), w13 (E, 2I, D) [gate rows | up rows], w2 (E, D, I), topk_weights (T, k) fp32, topk_ids
-    (T, k) -> (T, D): sum over each token's k experts of weight * w2 @ (silu(gate @ x) * (up @ x))."""
-    out = torch.zeros_like(x)
-    flat_ids = topk_ids.flatten()  # (T k,)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        slots = order[start:start + count]  # (n,) positions in the flattened (T, k)
-        start += count
-        tokens = slots // topk_ids.shape[1]
-        hidden = ops.silu_and_mul(torch.nn.functional.linear(x[tokens], w13[expert]))  # (n, I)
-        y = torch.nn.functional.linear(hidden, w2[expert])  # (n, D)
-        out.index_add_(0, tokens, (y * topk_weights.flatten()[slots, None]).to(x.dtype))
-    return out
+        weights, ids = ops.select_experts(logits, self.top_k, self.renormalize)  # (T, k) fp32, (T, k)
+        return ops.fused_moe(x, self.w13, self.w2, weights, ids)  # (T, dim): the grouped expert GEMMs
 
 
 class DecoderLayer(nn.Module):
