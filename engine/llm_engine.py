@@ -18,6 +18,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.families import read_model_args
 from engine.model import ModelArgs, Transformer
 from engine.model_runner import DTYPES, ModelRunner, kv_block_bytes
 from engine.outputs import RequestOutput
@@ -44,12 +45,13 @@ class LLMEngine:
 
             checkpoint = load_checkpoint(resolve_model(config.model))
         self.tokenizer = checkpoint.tokenizer
-        self.model_args = ModelArgs.from_hf_config(checkpoint.config)
+        self.model_args = getattr(checkpoint, "args", None) or read_model_args(
+            checkpoint.config, getattr(checkpoint, "source", "") or "config.json")
         self.max_model_len = min(config.max_model_len or self.model_args.max_position_embeddings,
                                  self.model_args.max_position_embeddings)
         model = _build_model(self.model_args, checkpoint.weights, config)
         self.runner = ModelRunner(model, config.block_size, self.max_model_len, config.max_num_seqs,
-                                  config.max_num_batched_tokens, enforce_eager=config.enforce_eager)
+                                  config.max_num_batched_tokens, enforce_eager=self._eager(config))
         self.structured = StructuredOutputs(self.tokenizer, self.model_args.vocab_size)
         self.sampler = Sampler(config.seed, self.runner.staging, self.structured)
         num_blocks = self._num_kv_blocks()
@@ -64,6 +66,19 @@ class LLMEngine:
         self._detoks: dict[int, object] = {}  # seq_index -> incremental detokenizer (stop strings only)
         self._ids = itertools.count()
         self._isolating = False
+
+    def _eager(self, config: EngineConfig) -> bool:
+        """No CUDA graphs for a mixture-of-experts model whose experts do not run on the Triton kernel:
+        the torch reference reads each expert's token count on the host, which a graph cannot capture."""
+        if not (self.model_args.num_experts and config.device_kind == "cuda") or config.enforce_eager:
+            return config.enforce_eager
+        from kernels import ops
+
+        if ops.get_backend(torch.empty(0, device=config.device)) == "triton":
+            return False
+        log.info("mixture of experts on the %s kernels: decode steps run eagerly (no CUDA graphs)",
+                 ops.get_backend(torch.empty(0, device=config.device)))
+        return True
 
     def _num_kv_blocks(self) -> int:
         """KV blocks: as configured, else what the memory budget holds, never more than every

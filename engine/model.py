@@ -1,77 +1,31 @@
-"""Llama-architecture decoder over a flattened variable-length batch and a paged KV cache.
+"""The decoder every family runs, over a flattened variable-length batch and a paged KV cache.
 
 Every step feeds T new tokens from S sequences as one flat batch: no padding, no per-sequence loop
-outside attention. Projections are plain bias-free `nn.Linear`s; they, attention, norms, RoPE and
-the MLP activation all run through `kernels.ops`, the one dispatch (Triton on CUDA, the cpu-native
-kernels and packed GEMMs on the CPU, the torch references elsewhere). q/k/v and gate/up projections
-are fused into one GEMM each.
+outside attention. The layer is Llama's; a family's differences are named fields of `ModelArgs`
+(engine/model_args.py) that switch small parts on: q/k/v and o biases, a per-head q/k RMSNorm, a
+sliding window and its own rope base on some layers, Gemma's (1 + w) norms on the attention and MLP
+outputs, scaled embeddings, a GELU-tanh gate, and mixture-of-experts MLPs. Projections are
+bias-free `nn.Linear`s (so the CPU's packed GEMMs take them; biases are added after), q/k/v and
+gate/up are fused into one GEMM each, and everything runs through `kernels.ops`, the one dispatch
+(Triton on CUDA, the cpu-native kernels and packed GEMMs on the CPU, the torch references elsewhere).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from collections import Counter
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
+from engine.families import layout
+from engine.model_args import ModelArgs
+from engine.rope import cos_sin_table
 from kernels import cpu_gemm, ops
 from kernels.decode_layers import DecodeLayers
 from kernels.metadata import AttentionMetadata
 
-
-@dataclass
-class ModelArgs:
-    dim: int = 576  # hidden size
-    n_layers: int = 30
-    n_heads: int = 9  # query heads
-    n_kv_heads: int = 3  # key/value heads (GQA: n_heads is a multiple)
-    head_dim: int = 64
-    intermediate_size: int = 1536
-    vocab_size: int = 49152
-    norm_eps: float = 1e-5
-    rope_theta: float = 100000.0
-    max_position_embeddings: int = 8192
-    tie_word_embeddings: bool = True
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> ModelArgs:
-        """Args from a Hugging Face LlamaConfig dict (config.json)."""
-        scaling = cfg.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ValueError(f"config.json: rope_scaling {scaling!r} is not supported")
-        try:
-            n_heads = cfg["num_attention_heads"]
-            return cls(
-                dim=cfg["hidden_size"],
-                n_layers=cfg["num_hidden_layers"],
-                n_heads=n_heads,
-                n_kv_heads=cfg.get("num_key_value_heads", n_heads),
-                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
-                intermediate_size=cfg["intermediate_size"],
-                vocab_size=cfg["vocab_size"],
-                norm_eps=cfg.get("rms_norm_eps", 1e-5),
-                rope_theta=cfg.get("rope_theta", 10000.0),
-                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-                tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            )
-        except KeyError as exc:
-            raise ValueError(f"config.json: missing key {exc.args[0]!r}") from None
-
-    def __post_init__(self) -> None:
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-
-    def flops_per_token(self, context_len: int = 0) -> float:
-        """Forward FLOPs for one token: 2 x matmul parameters, plus attention over context_len keys."""
-        qkv = self.dim * (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-        attn_out = self.n_heads * self.head_dim * self.dim
-        mlp = 3 * self.dim * self.intermediate_size
-        per_layer = 2 * (qkv + attn_out + mlp) + 4 * self.n_heads * self.head_dim * context_len
-        return self.n_layers * per_layer + 2 * self.dim * self.vocab_size
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
+__all__ = ["PRESETS", "ModelArgs", "Transformer"]
 
 PRESETS = {
     "smollm2-135m": ModelArgs(),
@@ -80,58 +34,129 @@ PRESETS = {
 }
 
 
+def _norm_weight(n: int) -> nn.Parameter:
+    return nn.Parameter(torch.ones(n))
+
+
+def _optional(flag: bool, n: int) -> nn.Parameter | None:
+    """A (n,) parameter where the family has it (a bias, a norm), else None."""
+    return nn.Parameter(torch.zeros(n)) if flag else None
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.q_size = args.n_heads * args.head_dim
         self.kv_size = args.n_kv_heads * args.head_dim
         self.qkv_proj = nn.Linear(args.dim, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, args.dim, bias=False)
-        self.scale = args.head_dim ** -0.5
+        self.qkv_bias = _optional(args.qkv_bias, self.q_size + 2 * self.kv_size)
+        self.o_bias = _optional(args.o_bias, args.dim)
+        self.q_norm = _optional(args.qk_norm, args.head_dim)  # over each head, before the rotary
+        self.k_norm = _optional(args.qk_norm, args.head_dim)
+        self.eps, self.unit_offset = args.norm_eps, args.norm_unit_offset
+        self.scale = args.attn_scale or args.head_dim ** -0.5
+        self.window = args.window(layer)  # None: every earlier key; else this many keys, itself included
 
     def forward(self, x, positions, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = ops.linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = ops.linear(x, self.qkv_proj)  # (T, (Hq + 2 Hkv) D)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.n_heads, self.head_dim)  # (T, Hq, D)
         k = k.view(T, self.n_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self._head_norm(q, self.q_norm), self._head_norm(k, self.k_norm)
         q, k = ops.rotary_embedding(positions, q, k, cos_sin)
         k_cache, v_cache = kv_cache
         ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
-        return ops.linear(out.reshape(T, self.q_size), self.o_proj)
+        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.window)  # (T, Hq, D)
+        out = ops.linear(out.reshape(T, self.q_size), self.o_proj)  # (T, dim)
+        return out if self.o_bias is None else out + self.o_bias
+
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the head dim of (T, H, D)."""
+        T, H, D = x.shape
+        return ops.rms_norm(x.reshape(T * H, D), weight, self.eps, self.unit_offset).view(T, H, D)
 
 
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)
-        setattr(self.gate_up_proj, cpu_gemm.GATE_UP, True)  # packing may pair gate and up columns
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.gate_up_bias = _optional(args.mlp_bias, 2 * args.intermediate_size)
+        self.down_bias = _optional(args.mlp_bias, args.dim)
+        self.activation = args.activation
+        # packing may pair gate and up columns for the GEMM's SiLU epilogue: only where it applies
+        self.fused_silu = args.activation == "silu" and not args.mlp_bias
+        setattr(self.gate_up_proj, cpu_gemm.GATE_UP, self.fused_silu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = ops.linear_silu_and_mul(x, self.gate_up_proj)  # (T, dim) -> (T, 2I) -> (T, I)
-        return ops.linear(hidden, self.down_proj)  # (T, dim)
+        if self.fused_silu:
+            hidden = ops.linear_silu_and_mul(x, self.gate_up_proj)  # (T, dim) -> (T, 2I) -> (T, I)
+        else:
+            gate_up = ops.linear(x, self.gate_up_proj)  # (T, 2I)
+            if self.gate_up_bias is not None:
+                gate_up = gate_up + self.gate_up_bias
+            act = ops.silu_and_mul if self.activation == "silu" else ops.gelu_tanh_and_mul
+            hidden = act(gate_up)  # (T, I)
+        out = ops.linear(hidden, self.down_proj)  # (T, dim)
+        return out if self.down_bias is None else out + self.down_bias
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP: a router picks each token's top-k experts (softmax over all experts
+    in fp32, renormalised over the k where the family does), each expert a SwiGLU MLP."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        experts, inter = args.num_experts, args.moe_intermediate_size
+        self.router = nn.Linear(args.dim, experts, bias=False)
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, args.dim))  # [gate rows | up rows] each
+        self.w2 = nn.Parameter(torch.empty(experts, args.dim, inter))
+        self.top_k, self.renormalize = args.num_experts_per_tok, args.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = ops.linear(x, self.router)  # (T, E)
+        weights, ids = ops.select_experts(logits, self.top_k, self.renormalize)  # (T, k) fp32, (T, k)
+        return ops.fused_moe(x, self.w13, self.w2, weights, ids)  # (T, dim): the grouped expert GEMMs
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int) -> None:
         super().__init__()
-        self.eps = args.norm_eps
-        self.self_attn = Attention(args)
-        self.mlp = MLP(args)
-        self.input_layernorm = nn.Parameter(torch.ones(args.dim))
-        self.post_attention_layernorm = nn.Parameter(torch.ones(args.dim))
+        self.eps, self.unit_offset = args.norm_eps, args.norm_unit_offset
+        self.self_attn = Attention(args, layer)
+        self.mlp = MoE(args) if args.is_moe(layer) else MLP(args)
+        self.input_layernorm = _norm_weight(args.dim)  # before attention
+        self.post_attention_layernorm = _norm_weight(args.dim)  # before the MLP (Llama's name)
+        self.attn_output_norm = _optional(args.sandwich_norms, args.dim)  # Gemma 3: outputs normed
+        self.mlp_output_norm = _optional(args.sandwich_norms, args.dim)  # before each residual add
+        self.local_rope = args.local_rope(layer)  # its cos/sin table: the sliding layers' own
 
     def forward(self, x, residual, positions, cos_sin, kv_cache, meta):
         if residual is None:
-            residual, x = x, ops.rms_norm(x, self.input_layernorm, self.eps)
+            residual, x = x, self._norm(x, self.input_layernorm)
         else:
-            x, residual = ops.fused_add_rms_norm(x, residual, self.input_layernorm, self.eps)
+            x, residual = self._add_norm(x, residual, self.input_layernorm)
         x = self.self_attn(x, positions, cos_sin, kv_cache, meta)
-        x, residual = ops.fused_add_rms_norm(x, residual, self.post_attention_layernorm, self.eps)
-        return self.mlp(x), residual
+        if self.attn_output_norm is not None:
+            x = self._norm(x, self.attn_output_norm)
+        x, residual = self._add_norm(x, residual, self.post_attention_layernorm)
+        x = self.mlp(x)
+        if self.mlp_output_norm is not None:
+            x = self._norm(x, self.mlp_output_norm)
+        return x, residual
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, weight, self.eps, self.unit_offset)
+
+    def _add_norm(self, x, residual, weight) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.fused_add_rms_norm(x, residual, weight, self.eps, self.unit_offset)
 
 
 class Transformer(nn.Module):
@@ -139,10 +164,14 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
         self.norm = nn.Parameter(torch.ones(args.dim))
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        # derived in init_rope (after the weights reach their device): the global and the sliding
+        # layers' cos/sin tables, and the embedding scale in the model dtype
         self.register_buffer("cos_sin", torch.empty(0), persistent=False)
+        self.register_buffer("cos_sin_local", torch.empty(0), persistent=False)
+        self.register_buffer("embed_scale", torch.empty(0), persistent=False)
         # a tied lm_head as a Linear over the embedding's tensor: packing swaps in a packed one
         # (the head's only copy of its own; the embedding keeps the plain rows for lookups)
         self.tied_head: nn.Linear | None = None
@@ -160,21 +189,31 @@ class Transformer(nn.Module):
         return packed
 
     def init_rope(self, max_len: int) -> None:
-        w = self.embed_tokens.weight
-        self.cos_sin = ops.make_cos_sin_cache(self.args.head_dim, max_len, self.args.rope_theta,
-                                              w.dtype, w.device)
+        """The tables derived from the args in the weights' dtype and device: cos/sin of the global
+        (and, where they differ, the sliding) layers' rotary embeddings, and the embedding scale."""
+        w, args = self.embed_tokens.weight, self.args
+        self.cos_sin = cos_sin_table(args.head_dim, max_len, args.rope_theta, args.rope_scaling, w.dtype,
+                                     w.device)
+        if args.local_rope_theta is not None:
+            self.cos_sin_local = cos_sin_table(args.head_dim, max_len, args.local_rope_theta, None, w.dtype,
+                                               w.device)
+        if args.embed_scale is not None:  # rounded to the model dtype first, as transformers does
+            self.embed_scale = torch.tensor(args.embed_scale, dtype=torch.float32).to(w.dtype).to(w.device)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions (T,) -> final hidden states (T, dim)."""
         x = self.embed_tokens(input_ids)  # (T, dim)
+        if self.args.embed_scale is not None:
+            x = x * self.embed_scale
         fused = self.decode_layers.run(x, positions, kv_caches, meta)  # a CPU decode step: one native call
         if fused is not None:
             x, residual = fused
         else:
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer(x, residual, positions, self.cos_sin, kv_cache, meta)
-        x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.args.norm_eps)
+                cos_sin = self.cos_sin_local if layer.local_rope else self.cos_sin
+                x, residual = layer(x, residual, positions, cos_sin, kv_cache, meta)
+        x, _ = ops.fused_add_rms_norm(x, residual, self.norm, self.args.norm_eps, self.args.norm_unit_offset)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -194,50 +233,29 @@ class Transformer(nn.Module):
         return cpu_gemm.argmax_panels(hidden, head.weight)
 
     @torch.no_grad()
-    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face Llama tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy a checkpoint's tensors (Hugging Face names, any dtype, on any device) into place, one at
+        a time: each is converted to the model's dtype on the model's device, and fused projections
+        are filled piece by piece (engine.families.layout), so no copy of the model is ever made."""
         packed = self.tied_head is not None or any(
             cpu_gemm.is_packed(m.weight) for m in self.modules() if isinstance(m, nn.Linear))
         ops.unpack_linears(self)  # plain weights to copy into; packed again below
         self.tied_head = None
         params = dict(self.named_parameters())
-        done: set[str] = set()
-
-        def put(name: str, tensor: torch.Tensor) -> None:
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"weight {name}: expected shape {tuple(params[name].shape)}, "
+        filled: Counter[str] = Counter()
+        for piece in layout(self.args):
+            if piece.source not in weights:
+                raise ValueError(f"checkpoint has no tensor {piece.source!r}")
+            tensor = weights[piece.source]
+            if tuple(tensor.shape) != piece.shape:
+                raise ValueError(f"weight {piece.source}: expected shape {piece.shape}, "
                                  f"got {tuple(tensor.shape)}")
-            params[name].copy_(tensor)
-            done.add(name)
-
-        for target, tensor in _fused_hf_tensors(weights, self.args):
-            put(target, tensor)
-        missing = sorted(set(params) - done)
+            target = params[piece.target] if piece.expert is None else params[piece.target][piece.expert]
+            target.narrow(0, piece.row, piece.shape[0]).copy_(tensor.to(target.device))
+            filled[piece.target] += tensor.numel()
+        missing = sorted(name for name, p in params.items() if filled[name] != p.numel())
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:6])}"
                              + (" ..." if len(missing) > 6 else ""))
         if packed:
             self.pack_weights()
-
-
-def _fused_hf_tensors(weights: dict[str, torch.Tensor], args: ModelArgs):
-    """Yield (parameter name, tensor) pairs from HF names, concatenating the fused projections."""
-    def get(name: str) -> torch.Tensor:
-        if name not in weights:
-            raise ValueError(f"checkpoint has no tensor {name!r}")
-        return weights[name]
-
-    yield "embed_tokens.weight", get("model.embed_tokens.weight")
-    yield "norm", get("model.norm.weight")
-    if not args.tie_word_embeddings:
-        yield "lm_head.weight", get("lm_head.weight")
-    for i in range(args.n_layers):
-        p = f"model.layers.{i}."
-        yield f"layers.{i}.self_attn.qkv_proj.weight", torch.cat(
-            [get(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
-        yield f"layers.{i}.self_attn.o_proj.weight", get(p + "self_attn.o_proj.weight")
-        yield f"layers.{i}.mlp.gate_up_proj.weight", torch.cat(
-            [get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
-        yield f"layers.{i}.mlp.down_proj.weight", get(p + "mlp.down_proj.weight")
-        yield f"layers.{i}.input_layernorm", get(p + "input_layernorm.weight")
-        yield f"layers.{i}.post_attention_layernorm", get(p + "post_attention_layernorm.weight")

@@ -302,7 +302,7 @@ def models() -> None:
 
 @models.command(name="list")
 def list_command() -> None:
-    """Known model names, whether each is pulled, where, and its size."""
+    """Known model names, whether each is pulled, where, and its size; then the supported families."""
     rows = [("NAME", "PULLED", "SIZE", "PATH")]
     for name, source in KNOWN_MODELS.items():
         pulled = is_pulled(name)
@@ -311,10 +311,30 @@ def list_command() -> None:
         rows.append((name, "yes" if pulled else "no", _human(size) + ("" if pulled else " gguf"), where))
     for name in RANDOM_MODELS:
         rows.append((name, "built-in", "-", "(random weights from a seed, for tests)"))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    _echo_table(rows)
+    click.echo("\nFamilies (by config.json model_type; a config field one does not implement is refused, "
+               "by name):")
+    _echo_table(family_rows())
+
+
+def family_rows() -> list[tuple[str, ...]]:
+    """(family, model_type, GGUF architectures, what is covered) per supported family."""
+    from engine.families import FAMILIES
+    from engine.gguf_file import gguf_archs_of
+
+    rows = [("FAMILY", "MODEL_TYPE", "GGUF", "COVERS")]
+    for family in FAMILIES:
+        for model_type in family.model_types:
+            rows.append((family.name, model_type, ", ".join(gguf_archs_of(model_type)) or "-", family.covers))
+    return rows
+
+
+def _echo_table(rows: list[tuple[str, ...]]) -> None:
+    """Columns padded to their widest cell, the last one left as it is."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)]
-        click.echo("  ".join([*cells, row[3]]))
+        cells = [cell.ljust(width) for cell, width in zip(row[:-1], widths, strict=True)]
+        click.echo("  ".join([*cells, row[-1]]))
 
 
 @models.command(name="pull")

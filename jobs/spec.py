@@ -403,13 +403,17 @@ def _first_line(exc: BaseException) -> str:
 
 
 def check_model(name: str, *, local: bool, what: str = "--model") -> None:
-    """Refuse a model name that names nothing, before a job is recorded (InputError, exit 2).
+    """Refuse a model name that names nothing, or files the engine could not load, before a job is
+    recorded (InputError, exit 2).
 
     A registry name, the random test model, an existing directory or GGUF file, or a Hugging Face
     Hub id pass (a Hub id is fetched by the workers; nothing is downloaded here). With `local` (the
     job runs on this machine, `batchgen run`) a registry model must be pulled already, since the
-    workers would fail on it; `submit` leaves pulling to the worker machines.
+    workers would fail on it; `submit` leaves pulling to the worker machines. A directory or GGUF
+    file is checked without reading its weights (engine.model_files.check_model_files: config, every
+    tensor's presence and shape, no shard missing or truncated, the tokenizer), naming the file.
     """
+    from engine.model_files import ModelFileError, check_model_files
     from engine.registry import KNOWN_MODELS, ModelNotFoundError, resolve_model
 
     if not name or (_looks_like_hub_id(name) and not Path(name).expanduser().exists()):
@@ -417,8 +421,8 @@ def check_model(name: str, *, local: bool, what: str = "--model") -> None:
     if name in KNOWN_MODELS and not local:
         return
     try:
-        resolve_model(name)
-    except ModelNotFoundError as exc:
+        check_model_files(resolve_model(name))
+    except (ModelNotFoundError, ModelFileError) as exc:
         raise InputError(f"{what}: {exc}") from None
 
 

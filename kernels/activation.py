@@ -1,4 +1,5 @@
-"""SiLU-and-multiply (the SwiGLU gate of the Llama MLP): Triton kernel, launcher, torch reference."""
+"""The gated MLP's activation-and-multiply: SiLU (SwiGLU, Llama) and GELU-tanh (GeGLU, Gemma). Triton
+kernel, launcher, torch references."""
 
 from __future__ import annotations
 
@@ -15,34 +16,56 @@ def _silu_and_mul_kernel(
     out_ptr,  # (T, I) contiguous
     x_row_stride,
     inter,  # I, the intermediate size
+    GELU_TANH: tl.constexpr,  # the gate's activation: GELU's tanh form, else SiLU
     BLOCK: tl.constexpr,
 ):
-    """Program (t, j) covers columns j*BLOCK.. of row t: out = gate / (1 + exp(-gate)) * up, in fp32."""
+    """Program (t, j) covers columns j*BLOCK.. of row t, in fp32: out = silu(gate) * up with
+    silu(g) = g / (1 + exp(-g)), or gelu(gate) * up with gelu(g) = g/2 (1 + tanh(y)),
+    y = sqrt(2/pi) (g + 0.044715 g^3), computed as g sigmoid(2y) (tanh(y) = 2 sigmoid(2y) - 1)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     in_row = cols < inter
     gate = tl.load(x_ptr + row * x_row_stride + cols, mask=in_row, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_row_stride + inter + cols, mask=in_row, other=0.0).to(tl.float32)
-    out = gate * tl.sigmoid(gate) * up
+    if GELU_TANH:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        # g/2 (1 + tanh(y)) = g sigmoid(2y); past +-40 the sigmoid is 1 or 0 to fp32's precision, and
+        # the clamp keeps its exp from overflowing
+        out = gate * tl.sigmoid(tl.minimum(tl.maximum(2.0 * inner, -40.0), 40.0)) * up
+    else:
+        out = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
-def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
-    """Launch a (T, I/BLOCK) grid over x (T, 2I); returns (T, I)."""
+def silu_and_mul_triton(x: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+    """Launch a (T, I/BLOCK) grid over x (T, 2I); returns (T, I). gelu_tanh: the GELU-tanh gate."""
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(-1) != 1:
         raise ValueError(f"silu_and_mul: x must be (T, 2I) with a contiguous last dim, got {tuple(x.shape)}")
     num_rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((num_rows, inter), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(max(inter, 1)))
     if num_rows and inter:
-        _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](x, out, x.stride(0), inter, BLOCK=block)
+        _silu_and_mul_kernel[(num_rows, triton.cdiv(inter, block))](x, out, x.stride(0), inter,
+                                                                   GELU_TANH=gelu_tanh, BLOCK=block)
     return out
+
+
+def gelu_tanh_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """x (T, 2I) = [gate | up] -> gelu_tanh(gate) * up, (T, I)."""
+    return silu_and_mul_triton(x, gelu_tanh=True)
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """x (T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """x (T, 2I) = [gate | up] -> gelu(gate, tanh approximation) * up, (T, I): transformers'
+    gelu_pytorch_tanh (Gemma)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def silu_and_mul_native(x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ def _paged_decode_kernel(
     block_table_stride,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     num_kv_heads,
+    window,  # keys the query sees, its own included (a sliding window); NO_WINDOW for all of them
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP rounded up to a tensor-core tile (>= 16)
     HEAD_DIM: tl.constexpr,
@@ -38,8 +39,9 @@ def _paged_decode_kernel(
     NUM_SPLITS: tl.constexpr,  # programs sharing one sequence's context (flash-decoding)
     FP32: tl.constexpr,  # fp32 operands ("ieee" dots); otherwise 16-bit operands, fp32 accumulation
 ):
-    """Program (s, h, p): the GROUP query heads of KV head h of sequence s over split p of its
-    context: [p*P, (p+1)*P) with P = cdiv(cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N.
+    """Program (s, h, p): the GROUP query heads of KV head h of sequence s over split p of the keys it
+    sees, [lo, ctx) with lo = max(ctx - window, 0): [lo + p*P, lo + (p+1)*P) with
+    P = cdiv(cdiv(ctx - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N (every tile it runs holds a visible key).
 
     The split length comes from the sequence's own context length, read from memory, so nothing
     host-side depends on how long contexts are: one compiled kernel per NUM_SPLITS serves every
@@ -65,8 +67,9 @@ def _paged_decode_kernel(
     row_max = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, HEAD_DIM), tl.float32)
-    part = tl.cdiv(tl.cdiv(ctx_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * part
+    lo = tl.maximum(ctx_len - window, 0)  # the first key the query sees
+    part = tl.cdiv(tl.cdiv(ctx_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * part
     end = tl.minimum(ctx_len, start + part)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
@@ -135,6 +138,7 @@ def _reduce_splits_kernel(
 
 
 MAX_SPLITS = 16
+NO_WINDOW = 1 << 30  # the window argument of a layer without one: every key is within it
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -155,8 +159,10 @@ def paged_decode_attention_triton(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q (S, Hq, D) -> (S, Hq, D), written into `out` when given (rows with a contiguous head dim).
+    With a sliding `window` each query sees its last `window` keys only.
 
     Each sequence's context is split across `num_splits` programs (flash-decoding; default from
     decode_num_splits) so that small batches with long contexts still fill the GPU, and a second,
@@ -186,7 +192,7 @@ def paged_decode_attention_triton(
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse,
         q.stride(0), q.stride(1), out.stride(0), block_tables.stride(0), scale * _LOG2E, num_kv_heads,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        window or NO_WINDOW, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=num_splits,
         FP32=q.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -221,8 +227,10 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q (S, Hq, D), one token per sequence, attends to its context_lens[s] cached keys -> (S, Hq, D).
+    """q (S, Hq, D), one token per sequence, attends to its context_lens[s] cached keys (its last
+    `window` of them with a sliding window) -> (S, Hq, D).
 
     The torch backend's one decode attention (the specification the Triton and native kernels are
     tested against): plan the groups, then paged_decode_attention_planned, which kernels.ops calls
@@ -230,7 +238,7 @@ def paged_decode_attention_ref(
     """
     num_seqs = q.shape[0]
     plan = plan_decode_groups(context_lens[:num_seqs].tolist(), block_tables[:num_seqs],
-                              context_lens[:num_seqs], k_cache.shape[1])
+                              context_lens[:num_seqs], k_cache.shape[1], window)
     return paged_decode_attention_planned(q, k_cache, v_cache, plan, scale)
 
 
@@ -240,14 +248,16 @@ class DecodeGroup:
 
     seqs: torch.Tensor | None  # (n,) int64 decode indices in this group; None = all decodes, in order
     blocks: torch.Tensor  # (n * nb,) int64 block ids of the group, row-major, for index_select
-    mask: torch.Tensor  # (n, 1, 1, nb * block_size) bool: key position < the sequence's context length
+    mask: torch.Tensor  # (n, 1, 1, nb * block_size) bool: the key is in the sequence's context (window)
 
 
 def plan_decode_groups(
-    context_lens_cpu: list[int], block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
+    context_lens_cpu: list[int], block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+    window: int | None = None,
 ) -> list[DecodeGroup]:
     """Split decodes into groups whose contexts are within 1.5x of the group's longest, so that the
-    padded gather wastes little; build each group's gather indices and mask once per step."""
+    padded gather wastes little; build each group's gather indices and mask once per step (a
+    sliding `window` masks the keys before each sequence's last `window`)."""
     order = sorted(range(len(context_lens_cpu)), key=context_lens_cpu.__getitem__, reverse=True)
     groups: list[list[int]] = []
     for seq in order:
@@ -257,9 +267,10 @@ def plan_decode_groups(
         else:
             groups.append([seq])
     if len(groups) == 1:
-        return [_decode_group(None, context_lens_cpu[order[0]], block_tables, context_lens, block_size)]
+        longest = context_lens_cpu[order[0]]
+        return [_decode_group(None, longest, block_tables, context_lens, block_size, window)]
     return [
-        _decode_group(seqs, context_lens_cpu[seqs[0]], block_tables, context_lens, block_size)
+        _decode_group(seqs, context_lens_cpu[seqs[0]], block_tables, context_lens, block_size, window)
         for seqs in groups
     ]
 
@@ -270,6 +281,7 @@ def _decode_group(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     block_size: int,
+    window: int | None = None,
 ) -> DecodeGroup:
     """One group's gather indices and mask; seqs None means every decode, in order."""
     index = None if seqs is None else torch.tensor(seqs, dtype=torch.int64, device=block_tables.device)
@@ -277,7 +289,10 @@ def _decode_group(
     lens = context_lens if index is None else context_lens.index_select(0, index)
     num_blocks = -(-longest // block_size)
     key_pos = torch.arange(num_blocks * block_size, device=block_tables.device)
-    mask = (key_pos[None, :] < lens[:, None]).view(len(lens), 1, 1, -1)
+    mask = key_pos[None, :] < lens[:, None]
+    if window is not None:
+        mask &= key_pos[None, :] >= lens[:, None] - window
+    mask = mask.view(len(lens), 1, 1, -1)
     return DecodeGroup(index, tables[:, :num_blocks].reshape(-1).long(), mask)
 
 

@@ -27,6 +27,7 @@ def _paged_prefill_kernel(
     block_table_stride,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     num_kv_heads,
+    window,  # keys a query sees, its own included (a sliding window); read only when HAS_WINDOW
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_Q: tl.constexpr,  # query tokens per program: BLOCK_M // GROUP
     BLOCK_M: tl.constexpr,  # rows per program: (token, query head of the group) pairs, flattened
@@ -34,13 +35,16 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
     BLOCK_N: tl.constexpr,  # keys per loop step
     FP32: tl.constexpr,  # fp32 operands ("ieee" dots); otherwise 16-bit operands, fp32 accumulation
+    HAS_WINDOW: tl.constexpr,  # a sliding window: keys before position - window + 1 are masked
 ):
     """Program (s, t, h): query tokens [t*BLOCK_Q, (t+1)*BLOCK_Q) of sequence s's chunk, every query
     head of KV head h (rows r = token*GROUP + head, so the group shares each K/V tile it loads).
 
     The chunk's token i sits at position ctx - q_len + i and sees keys 0 .. that position (causal,
-    aligned bottom-right); decodes are chunks of one. Online softmax in fp32 as in the decode
-    kernel (running max m, running sum l, out = acc / l). With 16-bit inputs, both products take
+    aligned bottom-right), with a window only the last `window` of them (the loop starts at the
+    tile's first visible key, and a row may see no key of a tile, so its running max stays -inf
+    there: the exponents subtract 0 instead); decodes are chunks of one. Online softmax in fp32 as
+    in the decode kernel (running max m, running sum l, out = acc / l). With 16-bit inputs, both products take
     16-bit operands (the probabilities are rounded to the value dtype, as FlashAttention does) and
     accumulate in fp32: the full tensor-core rate, where fp32 operands would run at the tf32 rate.
     """
@@ -67,7 +71,10 @@ def _paged_prefill_kernel(
         row_sum = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
         kv_end = tl.minimum(ctx_len, ctx_len - q_len + first + BLOCK_Q)  # last visible key + 1
-        for tile_start in range(0, kv_end, BLOCK_N):
+        kv_start = 0
+        if HAS_WINDOW:
+            kv_start = tl.maximum(ctx_len - q_len + first - window + 1, 0)  # the first row's first key
+        for tile_start in range(kv_start, kv_end, BLOCK_N):
             pos = tile_start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
             key_ok = pos < kv_end
             block = tl.load(block_tables_ptr + seq * block_table_stride + pos // BLOCK_SIZE, mask=key_ok,
@@ -82,8 +89,12 @@ def _paged_prefill_kernel(
             else:
                 scores = tl.dot(q.to(k.dtype), tl.trans(k))  # (BLOCK_M, BLOCK_N) fp32
             visible = (pos[None, :] <= query_pos[:, None]) & key_ok[None, :]
+            if HAS_WINDOW:
+                visible &= pos[None, :] > query_pos[:, None] - window
             scores = tl.where(visible, scores * qk_scale, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(scores, axis=1))  # finite: every row sees key 0
+            new_max = tl.maximum(row_max, tl.max(scores, axis=1))  # without a window: finite (key 0)
+            if HAS_WINDOW:
+                new_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key yet
             alpha = tl.exp2(row_max - new_max)
             p = tl.exp2(scores - new_max[:, None])
             row_sum = row_sum * alpha + tl.sum(p, axis=1)
@@ -93,6 +104,8 @@ def _paged_prefill_kernel(
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             row_max = new_max
 
+        if HAS_WINDOW:  # rows past the chunk may see no key at all: nothing to divide (they are not stored)
+            row_sum = tl.where(row_sum == 0.0, 1.0, row_sum)
         out = acc / row_sum[:, None]
         out_offs = (q_start + token).to(tl.int64)[:, None] * out_token_stride + head[:, None] * HEAD_DIM
         tl.store(out_ptr + out_offs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_mask)
@@ -109,8 +122,10 @@ def paged_prefill_attention_triton(
     scale: float,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q (T, Hq, D) -> (T, Hq, D) for a varlen batch of chunks (decodes included) in one launch:
+    """q (T, Hq, D) -> (T, Hq, D) for a varlen batch of chunks (decodes included) in one launch
+    (with a sliding `window`, each query sees its last `window` keys):
     a (S, query tiles of the longest chunk, Hkv) grid; tiles past a shorter chunk exit at once.
     query_start_loc[0] must be 0 (q's first row). Written into `out` when given. Tile sizes and warps
     come from kernels.tuning (measured per GPU when a tuned table exists, defaults otherwise)."""
@@ -132,8 +147,9 @@ def paged_prefill_attention_triton(
     _paged_prefill_kernel[(num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)](
         q, k_cache, v_cache, block_tables, query_start_loc, context_lens, out,
         q.stride(0), q.stride(1), out.stride(0), block_tables.stride(0), scale * _LOG2E, num_kv_heads,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=cfg["BLOCK_N"], FP32=q.dtype == torch.float32, num_warps=cfg["num_warps"],
+        window or 0, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_N=cfg["BLOCK_N"], FP32=q.dtype == torch.float32, HAS_WINDOW=window is not None,
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
     return out
@@ -147,13 +163,15 @@ def paged_prefill_attention_ref(
     query_lens: list[int],
     context_lens: list[int],
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q (T, Hq, D) holds the query chunks of sequences 0..S-1 back to back -> (T, Hq, D).
 
     Sequence s has query_lens[s] new tokens at positions context_lens[s] - query_lens[s] ..
     context_lens[s] - 1, already stored in the cache; token i attends to cached keys 0 ..
-    its own position. One SDPA per sequence over its gathered keys with a bottom-right aligned
-    causal mask (`is_causal` alone is top-left aligned, wrong when the chunk is shorter).
+    its own position, or with a sliding `window` to the last `window` of them (its own included).
+    One SDPA per sequence over its gathered keys with a bottom-right aligned causal mask
+    (`is_causal` alone is top-left aligned, wrong when the chunk is shorter).
     """
     out = torch.empty_like(q)
     start = 0
@@ -161,7 +179,7 @@ def paged_prefill_attention_ref(
         end = start + q_len
         keys, values = _gather_context(k_cache, v_cache, block_tables[seq], ctx_len)  # (Hkv, L, D)
         queries = q[start:end].transpose(0, 1)  # (Hq, q_len, D)
-        out[start:end] = _causal_sdpa(queries, keys, values, scale).transpose(0, 1)
+        out[start:end] = _causal_sdpa(queries, keys, values, scale, window).transpose(0, 1)
         start = end
     return out
 
@@ -178,26 +196,32 @@ def _gather_context(
 
 
 def _causal_sdpa(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window: int | None = None
 ) -> torch.Tensor:
-    """queries (Hq, q_len, D) are the last q_len positions of the ctx_len keys (Hkv, ctx_len, D).
+    """queries (Hq, q_len, D) are the last q_len positions of the ctx_len keys (Hkv, ctx_len, D); with
+    a window, query position p sees keys p - window + 1 .. p only.
 
     Keys and values are expanded to Hq heads and given a batch dim: with 3-D inputs or
     enable_gqa, torch's CPU SDPA takes its math path (bmm + softmax), 2-2.5x slower than the
     flash kernel it picks for 4-D inputs of equal head counts.
     """
     q_len, ctx_len = queries.shape[1], keys.shape[1]
+    first = 0 if window is None else max(ctx_len - q_len - window + 1, 0)  # the first key any query sees
+    keys, values = keys[:, first:], values[:, first:]
     group = queries.shape[0] // keys.shape[0]
     if group > 1:
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
     queries, keys, values = queries[None], keys[None], values[None]
-    if q_len == ctx_len:  # whole prompt: top-left and bottom-right alignment coincide
+    windowed = window is not None and ctx_len > window
+    if q_len == ctx_len and not windowed:  # whole prompt: top-left and bottom-right alignment coincide
         return F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)[0]
-    if q_len == 1:  # the last position sees every key
+    if q_len == 1:  # the last position sees every key gathered
         return F.scaled_dot_product_attention(queries, keys, values, scale=scale)[0]
     query_pos = torch.arange(ctx_len - q_len, ctx_len, device=queries.device)
-    key_pos = torch.arange(ctx_len, device=queries.device)
-    mask = key_pos[None, :] <= query_pos[:, None]  # (q_len, ctx_len)
+    key_pos = torch.arange(first, ctx_len, device=queries.device)
+    mask = key_pos[None, :] <= query_pos[:, None]  # (q_len, ctx_len - first)
+    if windowed:
+        mask &= key_pos[None, :] > query_pos[:, None] - window
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)[0]
 
 

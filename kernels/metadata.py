@@ -29,6 +29,7 @@ class AttentionMetadata:
     # the torch path's decode plan (grouping, gather indices, masks): built by the first layer that
     # needs it and reused by every other layer of the step, since they share this metadata
     torch_decode_plan: list | None = field(default=None, repr=False, compare=False)
+    window_plans: dict = field(default_factory=dict, repr=False, compare=False)  # the same per sliding window
     _prefill_qsl: torch.Tensor | None = field(default=None, repr=False, compare=False)
     _prefill_rows: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 

@@ -22,7 +22,13 @@ from torch import nn
 
 from kernels import cpu_gemm, cpu_native
 from kernels._triton import HAS_TRITON, interpreting
-from kernels.activation import silu_and_mul_native, silu_and_mul_ref, silu_and_mul_triton
+from kernels.activation import (
+    gelu_tanh_and_mul_ref,
+    gelu_tanh_and_mul_triton,
+    silu_and_mul_native,
+    silu_and_mul_ref,
+    silu_and_mul_triton,
+)
 from kernels.argmax import argmax_native, argmax_ref
 from kernels.attention_decode import (
     paged_decode_attention_native,
@@ -53,6 +59,7 @@ __all__ = [
     "build_attention_metadata",
     "fused_add_rms_norm",
     "fused_moe",
+    "gelu_tanh_and_mul",
     "get_backend",
     "linear",
     "linear_logits",
@@ -76,28 +83,34 @@ _env_backend: str = os.environ.get(ENV_VAR) or "auto"  # read once: not on every
 
 
 def _prefill_torch(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     nd = meta.num_decodes
     return paged_prefill_attention_ref(q, k_cache, v_cache, meta.block_tables[nd:], meta.query_lens_cpu[nd:],
-                                       meta.context_lens_cpu[nd:], scale)
+                                       meta.context_lens_cpu[nd:], scale, window)
 
 
 def _decode_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-    num_decodes: int, scale: float,
+    num_decodes: int, scale: float, window: int | None = None,
 ) -> torch.Tensor:
-    """The torch decode attention, planned once per step by the first layer and shared by the rest."""
-    if meta.torch_decode_plan is None:
-        meta.torch_decode_plan = plan_decode_groups(
-            meta.context_lens_cpu[:num_decodes], meta.block_tables[:num_decodes],
-            meta.context_lens[:num_decodes], k_cache.shape[1],
-        )
-    return paged_decode_attention_planned(q, k_cache, v_cache, meta.torch_decode_plan, scale)
+    """The torch decode attention, planned once per step (per window) by the first layer that needs
+    it and shared by the rest."""
+    plan = meta.torch_decode_plan if window is None else meta.window_plans.get(window)
+    if plan is None:
+        plan = plan_decode_groups(meta.context_lens_cpu[:num_decodes], meta.block_tables[:num_decodes],
+                                  meta.context_lens[:num_decodes], k_cache.shape[1], window)
+        if window is None:
+            meta.torch_decode_plan = plan
+        else:
+            meta.window_plans[window] = plan
+    return paged_decode_attention_planned(q, k_cache, v_cache, plan, scale)
 
 
 def _prefill_native(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: None = None,
 ) -> torch.Tensor:
     """The prefill chunks on the CPU: the tiled kernel, whose query tiles share every key and value
     they read (bf16 with AVX512-BF16), else each query token as a decode of its own through the
@@ -114,15 +127,16 @@ def _prefill_native(
 # paged_attention's decode half (prefill chunks: Triton's kernel or the torch reference); linear's
 # cpu-native entry takes the weight pack_linears packed (the weight's form decides, not the call).
 KERNELS: dict[str, dict[str, Callable]] = {
+    # the C kernels scale by w alone: rms_norm and fused_add_rms_norm decline them for unit_offset (Gemma)
     "rms_norm": {
         "torch": rms_norm_ref,
-        "triton": lambda x, w, eps: rms_norm_triton(x, w, eps)[0],
-        "cpu-native": lambda x, w, eps: rms_norm_native(x, w, eps)[0],
+        "triton": lambda x, w, eps, unit_offset: rms_norm_triton(x, w, eps, unit_offset=unit_offset)[0],
+        "cpu-native": lambda x, w, eps, unit_offset: rms_norm_native(x, w, eps)[0],
     },
     "fused_add_rms_norm": {
         "torch": fused_add_rms_norm_ref,
-        "triton": lambda x, residual, w, eps: rms_norm_triton(x, w, eps, residual),
-        "cpu-native": lambda x, residual, w, eps: rms_norm_native(x, w, eps, residual),
+        "triton": lambda x, residual, w, eps, unit_offset: rms_norm_triton(x, w, eps, residual, unit_offset),
+        "cpu-native": lambda x, residual, w, eps, unit_offset: rms_norm_native(x, w, eps, residual),
     },
     "rotary_embedding": {
         "torch": rotary_embedding_ref,
@@ -134,16 +148,22 @@ KERNELS: dict[str, dict[str, Callable]] = {
         "triton": silu_and_mul_triton,
         "cpu-native": silu_and_mul_native,
     },
+    "gelu_tanh_and_mul": {  # the C kernels have no GELU: the CPU runs the torch reference
+        "torch": gelu_tanh_and_mul_ref,
+        "triton": gelu_tanh_and_mul_triton,
+        "cpu-native": gelu_tanh_and_mul_ref,
+    },
     "store_kv_cache": {
         "torch": store_kv_cache_ref,
         "triton": store_kv_cache_triton,
         "cpu-native": store_kv_cache_native,
     },
+    # a sliding window: the C kernels have none, so paged_attention takes the torch references then
     "decode_attention": {
         "torch": _decode_torch,
-        "triton": lambda q, k_cache, v_cache, meta, n, scale: paged_decode_attention_triton(
-            q, k_cache, v_cache, meta.block_tables[:n], meta.context_lens[:n], scale),
-        "cpu-native": lambda q, k_cache, v_cache, meta, n, scale: paged_decode_attention_native(
+        "triton": lambda q, k_cache, v_cache, meta, n, scale, window: paged_decode_attention_triton(
+            q, k_cache, v_cache, meta.block_tables[:n], meta.context_lens[:n], scale, window=window),
+        "cpu-native": lambda q, k_cache, v_cache, meta, n, scale, window: paged_decode_attention_native(
             q, k_cache, v_cache, meta.block_tables[:n], meta.context_lens[:n], scale),
     },
     # the prefill chunks (rows num_decodes.. of q): per sequence SDPA over its gathered keys, or on
@@ -212,17 +232,18 @@ def _pick(op: str, x: torch.Tensor, *tensors: torch.Tensor, fits: bool = True) -
     return KERNELS[op][backend]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x (T, D), scaled by weight (D,)."""
-    return _pick("rms_norm", x, weight, fits=x.dim() == 2)(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of x (T, D), scaled by weight (D,), or by 1 + weight in fp32
+    (unit_offset: Gemma's)."""
+    return _pick("rms_norm", x, weight, fits=x.dim() == 2 and not unit_offset)(x, weight, eps, unit_offset)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual_out = x + residual; returns (rms_norm(residual_out), residual_out)."""
-    fits = x.dim() == 2 and x.shape == residual.shape
-    return _pick("fused_add_rms_norm", x, residual, weight, fits=fits)(x, residual, weight, eps)
+    fits = x.dim() == 2 and x.shape == residual.shape and not unit_offset
+    return _pick("fused_add_rms_norm", x, residual, weight, fits=fits)(x, residual, weight, eps, unit_offset)
 
 
 def rotary_embedding(
@@ -235,6 +256,11 @@ def rotary_embedding(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x (T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
     return _pick("silu_and_mul", x, fits=x.dim() == 2)(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x (T, 2I) = [gate | up] -> gelu_tanh(gate) * up, (T, I) (Gemma's GeGLU)."""
+    return _pick("gelu_tanh_and_mul", x, fits=x.dim() == 2)(x)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -306,37 +332,43 @@ def unpack_linears(module: nn.Module) -> None:
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q (T, Hq, D) -> (T, Hq, D) for a mixed step: decodes first, then prefill chunks.
 
     Every query token attends causally to its sequence's cached keys (this step's included:
-    store_kv_cache runs first). Query heads are grouped over KV heads (Hq a multiple of Hkv).
+    store_kv_cache runs first), or with a sliding `window` to the last `window` of them, its own
+    included (the blocks before stay in the cache; their keys are masked). Query heads are grouped
+    over KV heads (Hq a multiple of Hkv).
     """
     if get_backend(q) == "triton":
-        return _paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    decode = _pick("decode_attention", q, k_cache)  # the C kernel reads blocks in place: no gather
+        return _paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
+    no_window = window is None  # the C kernels have no window: the torch references take it
+    decode = _pick("decode_attention", q, k_cache, fits=no_window)  # C reads blocks in place: no gather
     nd = meta.num_decodes
     if nd == len(meta.query_lens_cpu):
-        return decode(q, k_cache, v_cache, meta, nd, scale)
-    chunks = _pick("prefill_attention", q, k_cache)(q[nd:], k_cache, v_cache, meta, scale)
+        return decode(q, k_cache, v_cache, meta, nd, scale, window)
+    prefill = _pick("prefill_attention", q, k_cache, fits=no_window)
+    chunks = prefill(q[nd:], k_cache, v_cache, meta, scale, window)
     if nd == 0:
         return chunks
-    return torch.cat([decode(q[:nd], k_cache, v_cache, meta, nd, scale), chunks])
+    return torch.cat([decode(q[:nd], k_cache, v_cache, meta, nd, scale, window), chunks])
 
 
 def _paged_attention_triton(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    window: int | None,
 ) -> torch.Tensor:
     nd = meta.num_decodes
     if nd == meta.num_seqs:  # decode-only step (the one CUDA graphs capture)
-        return KERNELS["decode_attention"]["triton"](q, k_cache, v_cache, meta, nd, scale)
+        return KERNELS["decode_attention"]["triton"](q, k_cache, v_cache, meta, nd, scale, window)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if nd:  # a mixed step's decodes take the decode kernel: one query row per sequence, no wasted tile
         paged_decode_attention_triton(q[:nd], k_cache, v_cache, meta.block_tables[:nd],
-                                      meta.context_lens[:nd], scale, out=out[:nd])
+                                      meta.context_lens[:nd], scale, out=out[:nd], window=window)
     paged_prefill_attention_triton(
         q[nd:], k_cache, v_cache, meta.block_tables[nd:], meta.prefill_query_start_loc,
-        meta.context_lens[nd:], meta.max_query_len, scale, out=out[nd:],
+        meta.context_lens[nd:], meta.max_query_len, scale, out=out[nd:], window=window,
     )
     return out

@@ -1,4 +1,8 @@
-"""RMSNorm and the fused residual-add RMSNorm: Triton kernel, launcher, torch reference."""
+"""RMSNorm and the fused residual-add RMSNorm: Triton kernel, launcher, torch reference.
+
+Two forms of the scale, as transformers has them: Llama's `weight * cast(normed)` (the normalised
+row rounded to the input dtype, then scaled), and Gemma's `cast(normed * (1 + weight))` (unit_offset:
+scaled by 1 + w in fp32, rounded once)."""
 
 from __future__ import annotations
 
@@ -20,10 +24,12 @@ def _rms_norm_kernel(
     eps,
     D,
     HAS_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,  # Gemma: out = cast(h * rsqrt(...) * (1 + weight))
     BLOCK_D: tl.constexpr,
 ):
     """One program per row t: h = x[t] (+ residual[t], rounded to the input dtype and written out),
-    out[t] = weight * cast(h * rsqrt(mean(h^2) + eps)), all arithmetic in fp32."""
+    out[t] = weight * cast(h * rsqrt(mean(h^2) + eps)), all arithmetic in fp32; with UNIT_OFFSET
+    out[t] = cast(h * rsqrt(mean(h^2) + eps) * (1 + weight))."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     in_row = cols < D
@@ -35,13 +41,17 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * D + cols, summed, mask=in_row)
         h = summed.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
-    normed = (h * inv_rms).to(x.dtype).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * D + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=in_row)
+    if UNIT_OFFSET:
+        out = h * inv_rms * (1.0 + weight)
+    else:
+        out = weight * (h * inv_rms).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * D + cols, out.to(out_ptr.dtype.element_ty), mask=in_row)
 
 
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch one program per row; returns (out, residual_out), residual_out None without residual."""
     _check_rows(x, weight, residual)
@@ -51,7 +61,7 @@ def rms_norm_triton(
     _rms_norm_kernel[(num_rows,)](
         x, x if residual is None else residual, out if residual_out is None else residual_out, weight, out,
         x.stride(0), 0 if residual is None else residual.stride(0), eps, hidden,
-        HAS_RESIDUAL=residual is not None, BLOCK_D=triton.next_power_of_2(hidden),
+        HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK_D=triton.next_power_of_2(hidden),
     )
     return out, residual_out
 
@@ -65,19 +75,23 @@ def _check_rows(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | 
         raise ValueError(f"rms_norm: residual must match x {tuple(x.shape)}, got {tuple(residual.shape)}")
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face Llama RMSNorm: normalise in fp32, cast back, then scale by the weight."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+                 ) -> torch.Tensor:
+    """Hugging Face Llama RMSNorm: normalise in fp32, cast back, then scale by the weight. With
+    unit_offset, Gemma's: scale by (1 + weight) in fp32, then cast."""
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(x.dtype)
     return weight * normed.to(x.dtype)
 
 
 def fused_add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual_out = x + residual; returns (rms_norm(residual_out), residual_out)."""
     residual_out = x + residual
-    return rms_norm_ref(residual_out, weight, eps), residual_out
+    return rms_norm_ref(residual_out, weight, eps, unit_offset), residual_out
 
 
 def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -122,16 +122,21 @@ def write_tiny_gguf(path: Path, seed: int = 0, layer_types: dict[str, str] | Non
     return expected
 
 
-def _write_metadata(writer, cfg: dict, tokens: list[str], pre: str) -> None:
+def write_shape_metadata(writer, cfg: dict, rope_theta: float, vocab_size: int) -> None:
+    """The `{arch}.*` keys of a model's shape, from config.json keys."""
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_freq_base(cfg["rope_theta"])
+    writer.add_rope_freq_base(rope_theta)
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(len(tokens))
+    writer.add_vocab_size(vocab_size)
+
+
+def _write_metadata(writer, cfg: dict, tokens: list[str], pre: str) -> None:
+    write_shape_metadata(writer, cfg, cfg["rope_theta"], len(tokens))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)

@@ -539,9 +539,9 @@ def test_loading_new_weights_repacks():
 
 
 def _args(config):
-    from engine.model import ModelArgs
+    from engine.families import read_model_args
 
-    return ModelArgs.from_hf_config(config)
+    return read_model_args(config)
 
 
 def test_the_gemm_comparison_script_measures_every_path(capsys, monkeypatch):
