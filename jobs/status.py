@@ -224,7 +224,7 @@ def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[i
         con.close()
     for shard_id in failed:
         ledger.queue(shard_id, "retry requested")
-        publish_shard(broker, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir)
+        publish_shard(broker, manifest.job_id, shard_id)
     return failed
 
 
@@ -251,7 +251,7 @@ def retry_stuck_shards(manifest: JobManifest, broker: BrokerSettings,
         if store.committed(manifest.job_id, info.shard_id) is not None:
             continue
         ledger.take_republish(info.shard_id, time.time())
-        publish_shard(broker, manifest.job_id, info.shard_id, info.path, manifest.data_dir,
+        publish_shard(broker, manifest.job_id, info.shard_id,
                       retries=retries_used(leases, info.shard_id, attempts))
         stuck.append(info.shard_id)
     return stuck

@@ -502,11 +502,23 @@ class Store:
         """
         rows = [r for r in _read_commits(self.layout, check_id("job_id", job_id), shard_id)
                 if r["shard_id"] == shard_id]
+        revoked = {r[ATTEMPT_ID_COLUMN] for r in rows if r.get("lost") is not None}
+        rows = [r for r in rows if r.get("lost") is None and r[ATTEMPT_ID_COLUMN] not in revoked]
         if not rows:
             return None
         best = min(rows, key=lambda r: (r["committed_ts"], r[ATTEMPT_ID_COLUMN]))
         fields = {k: best[k] for k in CommitRecord.__dataclass_fields__ if k in best}
         return CommitRecord(**fields, attempt_id=best[ATTEMPT_ID_COLUMN])
+
+    def revoke_commit(self, record: CommitRecord, reason: str) -> None:
+        """Make a shard's commit no longer count (its rows were lost): the shard is then not committed,
+        and its next attempt's commit counts. Written under the shard's name prefix, so `committed`
+        finds it beside the commit."""
+        row = _renamed(schemas.record_row(CommitRecord(
+            record.job_id, record.shard_id, record.attempt, record.attempt_id, record.worker_id, time.time(),
+            lost=reason or "lost")))
+        prefix = f"{record.job_id}~s{record.shard_id:06d}~a{record.attempt:03d}"
+        self._write_records("commits", record.job_id, prefix, [row])
 
     def _write_records(self, kind: str, group: str, prefix: str, rows: list[dict]) -> str:
         if kind == "job_events":
