@@ -545,8 +545,9 @@ def cancel(job_id: str, data_dir: str, reason: str) -> None:
 @click.argument("job_id")
 @_DATA_DIR_OPTION
 def retry(job_id: str, data_dir: str) -> None:
-    """Queue the failed shards of a job again, and its stuck ones (waiting for a worker while the
-    broker holds no message for them); completed shards are not redone."""
+    """Queue the failed shards of a job again (those `batchgen store check --repair` marked for re-run
+    included), and its stuck ones (waiting for a worker while the broker holds no message for them);
+    completed shards are not redone."""
     from jobs.status import retry_failed_shards, retry_stuck_shards
     from jobs.supervise import requeue_dead_shards
 

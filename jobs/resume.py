@@ -124,7 +124,8 @@ def resume_job(manifest: JobManifest, broker: BrokerSettings) -> list[int]:
     """Queue again every shard of the job that is not committed; their ids (empty: nothing left).
 
     Refuses (JobBusyError) while an attempt of the job is alive. The job's own queue is emptied
-    first, so each shard is queued once."""
+    first, so each shard is queued once. A committed shard whose lease files are gone (deleted, or
+    not copied) gets them back from its commit, so progress read from leases sees it done."""
     from jobs.celery_app import publish_shard
     from jobs.submit import publish_job
 

@@ -20,9 +20,12 @@ Layout of a data dir (DATA_DIR: `--data-dir`, `$BATCHGEN_DATA_DIR`, default `./d
     part name: <job>~s<shard:06d>~a<attempt:03d>~<uid>~<kind>~<seq:06d>.parquet   (shard attempt kinds)
                <group>~<uid>~<kind>~<seq:06d>.parquet                            (everything else)
 
-Kinds: job_records, job_events (cancel requests), shard_events, commits, outputs, requests,
-iterations, sweeps (`schemas.py`). Views: jobs, shards, outputs, requests, requests_live,
-iterations, sweeps (`catalog.py`).
+Kinds: job_records, job_events (cancel requests), shard_events, commits (and their revocations,
+rows with `lost` set: `Store.revoke_commit`), outputs, requests, iterations, sweeps (`schemas.py`).
+Views: jobs, shards, outputs, requests, requests_live, iterations, sweeps (`catalog.py`).
+
+Nothing in a data dir names its own absolute path (view globs in the catalog file and tombstones are
+relative to DATA_DIR): a copied or moved data dir reads and writes only itself.
 
 Public API:
 

@@ -1,4 +1,5 @@
-"""`batchgen store check`: find part files that cannot be read, and move them aside.
+"""The store's half of `batchgen store check` (jobs.repair): part files that cannot be read, and
+committed rows that are gone.
 
 `check_store(data_dir)` reads every Parquet file under `store/tables/` (its footer, and with
 `deep=True` every row group) and says, for each one that fails, what its rows were:
@@ -16,7 +17,9 @@ It also compares each committed shard's `num_outputs` with the output rows the v
 shard with fewer has **missing rows** (a part file gone or unreadable).
 
 `quarantine(data_dir, bad)` moves the bad files (and tombstones) to `DATA_DIR/quarantine/<time>/`
-under their path relative to the data dir, so nothing is deleted and the views read the rest.
+under their path relative to the data dir, so nothing is deleted and the views read the rest. Marking
+the shards whose rows were lost for re-run is the jobs layer's (its shard ledger writes both the
+store's revocation and the lease): jobs.repair.
 """
 
 from __future__ import annotations
