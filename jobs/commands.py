@@ -39,7 +39,8 @@ MAX_CONCURRENCY = 64  # shards one worker holds at once, at most
 
 _SAMPLING_OPTIONS = [
     click.option("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True,
-                 help="Job default: new tokens per row at most."),
+                 help="Job default: new tokens per row at most (clamped per row, as vLLM does, to the room "
+                      "--max-model-len leaves after its prompt; requests.max_tokens shows the limit used)."),
     click.option("--temperature", type=float, help="Job default (0 = greedy; default 1.0)."),
     click.option("--top-p", type=float, help="Job default (default 1.0)."),
     click.option("--top-k", type=int, help="Job default (0 = off)."),

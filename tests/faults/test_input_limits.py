@@ -5,16 +5,22 @@ recorded."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
+import time
 import tracemalloc
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import tokenizers
+from tokenizers import models, pre_tokenizers
 
 from engine import LLM, SamplingParams
 from engine.loader import tiny_random_checkpoint
+from engine.tokenizer import Tokenizer
 from jobs.broker import resolve_broker
 from jobs.spec import MAX_CELL_BYTES, MAX_JSON_DEPTH, InputError
 from jobs.submit import JobRequest, prepare_job
@@ -111,6 +117,38 @@ def test_a_prompt_past_any_context_is_refused_without_tokenizing_it(monkeypatch)
     assert chat.finish_reason == "error" and "refused without tokenizing it" in chat.error
     assert fine.finish_reason == "length" and len(fine.token_ids) == 2
     assert max(seen) < 100, "only the short prompt was tokenized"
+
+
+def test_tokenizing_a_long_prompt_lets_the_other_threads_run():
+    """A prompt that fits is tokenized with the GIL released: a thread ticking beside it (as the lease
+    heartbeat does) keeps ticking. (With the GIL held, as `tokenizers`' encode holds it, it cannot.)"""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = tokenizers.Tokenizer(models.BPE(vocab={**{c: i for i, c in enumerate(alphabet)}, "</s>": 256},
+                                              merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer = Tokenizer(backend, eos_token="</s>")
+    text = "a few words, and more. " * 8000
+    ticks, stop = [], threading.Event()
+
+    def heartbeat():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+            time.sleep(0.001)
+
+    beside = threading.Thread(target=heartbeat)
+    beside.start()
+    time.sleep(0.05)
+    try:
+        start = time.monotonic()
+        ids = tokenizer.encode(text)
+        end = time.monotonic()
+    finally:
+        stop.set()
+        beside.join()
+    assert ids == backend.encode(text).ids  # the same tokens
+    # no stretch of the call without a tick (held, the GIL would leave one gap nearly as long as the call)
+    seen = [start] + [t for t in ticks if start < t < end] + [end]
+    assert max(b - a for a, b in itertools.pairwise(seen)) < (end - start) / 2
 
 
 def _generate(llm):
