@@ -14,7 +14,8 @@ random-weight model) while this script does each planned fault once the job's pr
   `batchgen store check --repair` marks the shard for re-run, `batchgen retry` queues it (last: the
   recovery takes seconds, during which the job may run to its end, leaving no later fault a chance).
 
-A planned fault that could not be done (the job finished first, the flush found no message, the
+A worker that exits by itself is started again, as a process supervisor would (the report counts
+those exits). A planned fault that could not be done (the job finished first, the flush found no message, the
 repair did not mark the shard) fails the soak: it would prove nothing. At the end it counts the
 job's output rows: every input row must be there exactly once (0 lost, 0 duplicated) and `store
 check` must find the store healthy; exit 0 only then. The figures are printed as one table.
@@ -177,6 +178,7 @@ class _Soak:
             while plan and done >= plan[0][0] and not progress.finished:
                 at, kind = plan.pop(0)
                 faults.append(f"{self._fault(kind)} ({kind} at {at:.0%}, {done:.0%} committed)")
+            self._restart_exited()
             if progress.finished:
                 self.figures["elapsed_s"] = round(time.monotonic() - t0, 1)
                 faults += [f"MISSED: the job finished first ({kind} at {at:.0%})" for at, kind in plan]
@@ -189,6 +191,17 @@ class _Soak:
             time.sleep(0.25)
         self.figures["elapsed_s"] = f"timed out after {self.args.timeout:.0f} s"
         return False
+
+    def _restart_exited(self) -> None:
+        """Start a worker in the place of one that exited by itself (a full disk at its start, say), as
+        the process supervisor of a real deployment does; the report counts them."""
+        for i, proc in enumerate(self.workers):
+            if proc.poll() is None:
+                continue
+            self.figures["worker_exits"] = self.figures.get("worker_exits", 0) + 1
+            print(f"  worker {i} (pid {proc.pid}) exited with code {proc.returncode}; starting another",
+                  flush=True)
+            self.workers[i] = self._start()
 
     def _fault(self, kind: str) -> str:
         """Do one fault; "done: ..." when it happened as planned, else "MISSED: why"."""
@@ -281,7 +294,8 @@ class _Soak:
 
 
 class _Missed(Exception):
-    """A planned fault that could not be done (the soak then fails: it would prove nothing)."""
+    """A worker that exits by itself is started again, as a process supervisor would (the report counts
+those exits). A planned fault that could not be done (the soak then fails: it would prove nothing)."""
 
 
 def _batchgen(env: dict, *args: str) -> subprocess.CompletedProcess:
