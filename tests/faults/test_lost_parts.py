@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from jobs.manifest import load_manifest
 from jobs.shard_runner import ShardTask, process_shard
 from jobs.store import Layout, catalog
 from jobs.supervise import job_progress
@@ -120,3 +121,25 @@ def test_a_lost_commit_record_is_found_and_its_shard_re_run(runtime, tmp_path):
     assert batchgen("retry", m.job_id, "--data-dir", str(data)).returncode == 0
     assert process_shard(ShardTask(m.job_id, LOST_SHARD, m.data_dir), runtime).result == "committed"
     assert every_row_once(data, m.job_id) == sorted(f"r{i}" for i in range(ROWS))
+
+
+def test_a_damaged_manifest_and_a_lost_job_record_are_rebuilt_from_each_other(runtime, tmp_path):
+    data = tmp_path / "data"
+    m = run_job(runtime, write_input(tmp_path / "in.parquet", ROWS), data)
+    manifest = data / "jobs" / m.job_id / "manifest.json"
+    manifest.write_text(manifest.read_text()[:40])
+    found = batchgen("store", "check", "--data-dir", str(data))
+    assert found.returncode == 1 and f"job {m.job_id}: {manifest} is unreadable" in found.stdout
+    repaired = batchgen("store", "check", "--repair", "--data-dir", str(data))
+    assert f"job {m.job_id}: {manifest} rebuilt from the store's record of the job" in repaired.stdout
+    assert load_manifest(data, m.job_id) == m
+    assert list((data / "quarantine").rglob("manifest.json")), "the damaged one is kept aside"
+
+    [record] = Layout.of(data).raw_dir("job_records", m.job_id).glob("*.parquet")
+    record.unlink()
+    found = batchgen("store", "check", "--data-dir", str(data))
+    assert found.returncode == 1 and "the store has no record of the job" in found.stdout
+    repaired = batchgen("store", "check", "--repair", "--data-dir", str(data))
+    assert f"job {m.job_id}: its record written again from its manifest" in repaired.stdout
+    assert job_status(data, m.job_id) == "completed"
+    assert batchgen("store", "check", "--data-dir", str(data)).returncode == 0
