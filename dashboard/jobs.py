@@ -96,9 +96,13 @@ def download_outputs(job_id: str):
     db = get_db()
     reader = db.sql(JOB_OUTPUTS_ALL, params={"job_id": job.job_id}).to_arrow_reader()
     spool = tempfile.TemporaryFile()
-    with pq.ParquetWriter(spool, reader.schema, compression="zstd") as writer:
-        for batch in reader:
-            writer.write_batch(batch)
+    try:
+        with pq.ParquetWriter(spool, reader.schema, compression="zstd") as writer:
+            for batch in reader:
+                writer.write_batch(batch)
+    except BaseException:  # an unreadable part met mid-way: the error page says which
+        spool.close()
+        raise
     spool.seek(0)
     return send_file(spool, mimetype="application/vnd.apache.parquet", as_attachment=True,
                      download_name=f"{job.job_id}.outputs.parquet")

@@ -144,6 +144,7 @@ class LLMEngine:
             seq.stats.finished_ts = time.time()
             self._finished.append(self._output(seq))
             return request_id
+        seq.stats.max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
         self._seqs[request_id] = seq
         if params.stop and self.tokenizer is not None:
             self._detoks[seq.seq_index] = self.tokenizer.detokenizer(token_ids)
@@ -154,15 +155,26 @@ class LLMEngine:
         if messages is not None:
             if self.tokenizer is None:
                 raise ValueError("chat messages need a tokenizer; this model has none")
+            contents = (m.get("content") for m in messages if isinstance(m, dict))
+            self._check_text_length(sum(len(c) for c in contents if isinstance(c, str)))
             prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; this model has none (pass token ids)")
+            self._check_text_length(len(prompt))
             return self.tokenizer.encode(prompt) if prompt else []
         if prompt is None:
             raise ValueError("a request needs a prompt (text or token ids) or messages")
         return [int(t) for t in prompt]
+
+    def _check_text_length(self, chars: int) -> None:
+        """Refuse, without tokenizing it, a text too long to fit max_model_len whatever its tokens: a
+        tokenizer holds the GIL throughout (seconds per MB), which would starve every other thread."""
+        per_token = self.tokenizer.max_token_chars
+        if per_token and chars > per_token * self.max_model_len:
+            raise ValueError(f"prompt has {chars} characters, so at least {-(-chars // per_token)} tokens; "
+                             f"max_model_len is {self.max_model_len} (it was refused without tokenizing it)")
 
     def _check_prompt(self, token_ids: list[int]) -> str | None:
         if not token_ids:
@@ -278,9 +290,12 @@ class LLMEngine:
         if reason is None:
             return 0
         if reason == "length" and seq.params.constraint is not None:
-            limit = "max_tokens" if seq.num_output_tokens >= seq.params.max_tokens else "max_model_len"
-            seq.error = (f"{limit} reached before the {seq.params.constraint.describe()} output was "
-                         "complete: the output is incomplete")
+            if self.structured.is_completed(seq):  # whole and valid on its last allowed token
+                reason = "stop"
+            else:
+                limit = "max_tokens" if seq.num_output_tokens >= seq.params.max_tokens else "max_model_len"
+                seq.error = (f"{limit} reached before the {seq.params.constraint.describe()} output was "
+                             "complete: the output is incomplete")
         self.scheduler.finish(seq, reason, seq.error)
         self._on_finished(seq)
         return 1

@@ -52,6 +52,9 @@ class RequestStats:
     num_preemptions: int = 0  # times it was preempted and recomputed
     prompt_tokens: int = 0
     output_tokens: int = 0
+    # the limit on new tokens in force: its max_tokens, clamped to the room max_model_len leaves after
+    # the prompt (as vLLM does); 0 for a request that could not run
+    max_tokens: int = 0
 
     @property
     def queue_s(self) -> float:

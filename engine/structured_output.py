@@ -233,6 +233,11 @@ class StructuredOutputs:
         entry = self._matchers.get(seq.seq_index)
         return entry is not None and entry[0].is_terminated()
 
+    def is_completed(self, seq) -> bool:
+        """The output so far is a whole match of the grammar (only its stop token is still to come)."""
+        entry = self._matchers.get(seq.seq_index)
+        return entry is not None and entry[0].is_completed()
+
 
 def apply_bitmask_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
     """xgrammar's CPU kernel, in place on rows `rows` (3-4x the torch ops below on CPU)."""

@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import jinja2
@@ -43,6 +43,9 @@ class BaseTokenizer:
     vocab_size: int  # number of ids, special tokens included
     chat_template: str | None  # jinja2 source, or None if the model has none
     special_tokens: dict[str, str]  # bos_token/eos_token/pad_token/unk_token -> text, for templates
+    # no token stands for more characters of text than this (None: unknown), so a text of n characters
+    # has at least n / max_token_chars tokens, known without tokenizing it
+    max_token_chars: int | None = None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
@@ -150,10 +153,20 @@ class Tokenizer(BaseTokenizer):
         """
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works, encode holds it (3 s for 3 MB of SmolLM2 text,
+        # measured): a long prompt must not stop the worker's other threads (lease heartbeats)
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry (a byte-level entry spells each byte as one character, so it
+        bounds the characters a token decodes to); times 4 behind a normalizer, which may merge
+        characters before the vocabulary sees them."""
+        longest = max(len(text) for text in self.backend.get_vocab(with_added_tokens=True))
+        return longest * (4 if self.backend.normalizer is not None else 1)
 
     def adds_bos_token(self) -> bool:
         """Whether `encode(..., add_special_tokens=True)` prepends the BOS token."""
@@ -192,6 +205,8 @@ class ByteTokenizer(BaseTokenizer):
         "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
     )
+
+    max_token_chars = 1  # a token is one byte, a character one or more
 
     def __init__(self) -> None:
         self.bos_token_id = self.BOS

@@ -98,11 +98,12 @@ def make_app(settings: BrokerSettings) -> Celery:
     return app
 
 
-def publish_shard(settings: BrokerSettings, job_id: str, shard_id: int, shard_path: str, data_dir: str,
-                  *, countdown: float | None = None, retries: int = 0) -> None:
-    """Send one shard task: ids and absolute paths only, never prompts. `retries` carries over the
-    retries a shard already used (a re-queued shard keeps its retry budget)."""
-    kwargs = {"job_id": job_id, "shard_id": shard_id, "shard_path": shard_path, "data_dir": data_dir}
+def publish_shard(settings: BrokerSettings, job_id: str, shard_id: int, *, countdown: float | None = None,
+                  retries: int = 0) -> None:
+    """Send one shard task: the job and shard ids only, never prompts or paths (the worker finds the
+    shard in its own data dir, wherever that is mounted). `retries` carries over the retries a shard
+    already used (a re-queued shard keeps its retry budget)."""
+    kwargs = {"job_id": job_id, "shard_id": shard_id}
     make_app(settings).send_task(TASK_NAME, kwargs=kwargs, queue=settings.queue, routing_key=settings.queue,
                                  countdown=countdown, retries=retries,
                                  task_id=shard_task_id(job_id, shard_id))
@@ -135,14 +136,18 @@ def __getattr__(name: str) -> Celery:
     return make_app(settings)
 
 
-def run_shard(self, job_id: str, shard_id: int, shard_path: str, data_dir: str) -> dict:
-    """Run one shard in this worker's engine; retry it with backoff when it fails."""
+def run_shard(self, job_id: str, shard_id: int, shard_path: str | None = None, data_dir: str | None = None
+              ) -> dict:
+    """Run one shard in this worker's engine; retry it with backoff when it fails. The job is read from
+    the worker's own data dir (`shard_path` and `data_dir`, which messages of older batchgen versions
+    carry, are ignored: they may name another host's mount point)."""
     from jobs.runtime import current_runtime
     from jobs.shard_runner import ShardTask, process_shard
 
-    task = ShardTask(job_id, shard_id, shard_path, data_dir, retries=self.request.retries)
+    runtime = current_runtime()
+    task = ShardTask(job_id, shard_id, str(runtime.data_dir), retries=self.request.retries)
     try:
-        outcome = process_shard(task, current_runtime())
+        outcome = process_shard(task, runtime)
     except Exception as exc:  # before an attempt began (data dir unreachable, ...): do not lose the message
         if self.request.retries >= MAX_DELIVERY_RETRIES:
             raise

@@ -20,7 +20,7 @@ COMMANDS: dict[str, str] = {
     "bench": "engine.bench:bench",
     "sweep": "jobs.sweep:sweep",
     "sql": "jobs.store.cli:sql",
-    "store": "jobs.store.cli:store",
+    "store": "jobs.repair:store",
     "run": "jobs.commands:run",
     "submit": "jobs.commands:submit",
     "worker": "jobs.commands:worker",
@@ -81,13 +81,36 @@ def cli() -> None:
 
 
 def main() -> None:
-    """Run the CLI; an error of the environment (a full disk, a read-only or vanished directory) that
-    no command turned into its own message ends in one line and exit 1, never a traceback."""
+    """Run the CLI; an error of the environment (a full disk, a read-only or vanished directory) or
+    a damaged file of the data dir that no command turned into its own message ends in one line and
+    exit 1, never a traceback."""
     try:
         cli()
     except OSError as exc:
         click.echo(f"Error: {describe_os_error(exc)}", err=True)
         sys.exit(1)
+    except Exception as exc:
+        message = describe_data_error(exc)
+        if message is None:
+            raise
+        click.echo(f"Error: {message}", err=True)
+        sys.exit(1)
+
+
+def describe_data_error(exc: Exception) -> str | None:
+    """One line for an error that a damaged file of the data dir causes (it names the file and what to
+    do), None for any other error (a bug: its traceback is wanted)."""
+    from jobs.manifest import ManifestError, ShardFileError
+    from jobs.store import StoreError, unreadable_part_message
+
+    if isinstance(exc, ManifestError | StoreError):
+        return str(exc)
+    if isinstance(exc, ShardFileError):
+        return (f"{exc}: restore it from a copy of the data dir; the job's other shards and rows are "
+                "intact")
+    if type(exc).__module__.split(".")[0] in ("duckdb", "_duckdb"):
+        return unreadable_part_message(str(exc))
+    return None
 
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)

@@ -39,7 +39,8 @@ MAX_CONCURRENCY = 64  # shards one worker holds at once, at most
 
 _SAMPLING_OPTIONS = [
     click.option("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True,
-                 help="Job default: new tokens per row at most."),
+                 help="Job default: new tokens per row at most (clamped per row, as vLLM does, to the room "
+                      "--max-model-len leaves after its prompt; requests.max_tokens shows the limit used)."),
     click.option("--temperature", type=float, help="Job default (0 = greedy; default 1.0)."),
     click.option("--top-p", type=float, help="Job default (default 1.0)."),
     click.option("--top-k", type=int, help="Job default (0 = off)."),
@@ -348,13 +349,24 @@ def run(prompts: str, data_dir: str, output: Path | None, workers: int, concurre
 
     The same command again resumes the job: committed shards are kept, the rest run, --output is
     written at the end. Ctrl-C hands the shards in flight back and prints the command that resumes."""
+    config = engine_config(opts)
+    data_dir = usable_data_dir(data_dir)
+    request = _job_request(prompts, data_dir, config, opts, output, local=True)
+    claim = _claim_run(request)
+    try:
+        code = _run_claimed(request, config, data_dir, output, workers, concurrency, progress)
+    finally:
+        claim.release()
+    sys.exit(code)
+
+
+def _run_claimed(request, config, data_dir: str, output: Path | None, workers: int, concurrency: int | None,
+                 progress: bool) -> int:
+    """`run` once this command holds its claim: find or create the job, run it; the exit code."""
     from dataclasses import asdict, replace
 
     from jobs.local_run import LocalRun, RunError, resume_command
 
-    config = engine_config(opts)
-    data_dir = usable_data_dir(data_dir)
-    request = _job_request(prompts, data_dir, config, opts, output, local=True)
     manifest, resumed = _run_job(request)
     broker = _broker(data_dir, manifest.queue, embedded=True)
     config = replace(config, model=manifest.model)  # an OpenAI file's body.model, when --model was not given
@@ -369,10 +381,29 @@ def run(prompts: str, data_dir: str, output: Path | None, workers: int, concurre
                      output_path=str(output or ""),
                      resume_command=resume_command(sys.argv[1:], manifest.job_id, data_dir))
     try:
-        code = local.run()
+        return local.run()
     except RunError as exc:
         raise click.ClickException(str(exc)) from None
-    sys.exit(code)
+
+
+def _claim_run(request):
+    """Hold this command's run claim (jobs.resume.RunClaim): an identical `run` started at the same time
+    waits here, then resumes the job the first one created."""
+    from jobs.resume import RunClaim, run_fingerprint
+    from jobs.spec import InputError
+
+    try:
+        request.fingerprint = run_fingerprint(request)
+    except InputError as exc:
+        raise click.UsageError(str(exc)) from None
+
+    def waiting(holder: dict) -> None:
+        click.echo(f"the same `batchgen run` command is running (pid {holder.get('pid', '?')} on "
+                   f"{holder.get('host', '?')}); waiting for it, then this one resumes its job", err=True)
+
+    claim = RunClaim(request.data_dir, request.fingerprint)
+    claim.take(on_wait=waiting)
+    return claim
 
 
 def _record_engine(manifest, config):
@@ -389,11 +420,10 @@ def _record_engine(manifest, config):
 def _run_job(request):
     """(the job, resumed?): the job this command started before, else a new one on a queue of its own."""
     from jobs.manifest import new_job_id
-    from jobs.resume import find_run_job, run_fingerprint
+    from jobs.resume import find_run_job
     from jobs.spec import InputError
 
     try:
-        request.fingerprint = run_fingerprint(request)
         found = find_run_job(request.data_dir, request.fingerprint, request.job_id)
     except InputError as exc:
         raise click.UsageError(str(exc)) from None
@@ -516,8 +546,9 @@ def cancel(job_id: str, data_dir: str, reason: str) -> None:
 @click.argument("job_id")
 @_DATA_DIR_OPTION
 def retry(job_id: str, data_dir: str) -> None:
-    """Queue the failed shards of a job again, and its stuck ones (waiting for a worker while the
-    broker holds no message for them); completed shards are not redone."""
+    """Queue the failed shards of a job again (those `batchgen store check --repair` marked for re-run
+    included), and its stuck ones (waiting for a worker while the broker holds no message for them);
+    completed shards are not redone."""
     from jobs.status import retry_failed_shards, retry_stuck_shards
     from jobs.supervise import requeue_dead_shards
 

@@ -20,12 +20,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs import openai_batch
 from jobs.manifest import REQUEST_ID_COLUMN, ROW_COLUMN, URL_COLUMN, JobManifest
-from jobs.store import INTERNAL_PREFIX, OUTPUTS, connect, new_uid
+from jobs.store import INTERNAL_PREFIX, OUTPUTS, connect, new_uid, unreadable_part_message
 
 OUTPUT_SUFFIXES = (".parquet", ".jsonl")
 _ORDER = "_bg_order"
@@ -69,14 +70,7 @@ def errors_path(path: Path) -> Path:
 def export_job(manifest: JobManifest, path: str | os.PathLike) -> Exported:
     """Write the job's output at `path` (atomically) in the format its suffix names."""
     path = check_output_path(path)
-    con = connect(manifest.data_dir)
-    try:
-        outputs = con.sql("SELECT * FROM outputs WHERE job_id = $job",
-                          params={"job": manifest.job_id}).to_arrow_table()
-        shards = con.execute("SELECT shard_id, status, error, epoch(finished_at) FROM shards "
-                             "WHERE job_id = ?", [manifest.job_id]).fetchall()
-    finally:
-        con.close()
+    outputs, shards = _committed(manifest)
     shard_states = {s: (status, error, finished) for s, status, error, finished in shards}
     inputs = _input_rows(manifest)
     table = _in_input_order(manifest, _own_columns(manifest, outputs), inputs, shard_states)
@@ -87,6 +81,23 @@ def export_job(manifest: JobManifest, path: str | os.PathLike) -> Exported:
         return _write_openai(manifest, table, inputs, shard_states, path)
     lines = _write_lines(path, (_json_row(r) for r in _rows(table)))
     return Exported(path, table.num_rows, lines)
+
+
+def _committed(manifest: JobManifest) -> tuple[pa.Table, list[tuple]]:
+    """The job's committed output rows and its shards' states; ExportError naming the part file when
+    the store cannot read them."""
+    con = connect(manifest.data_dir)
+    try:
+        outputs = con.sql("SELECT * FROM outputs WHERE job_id = $job",
+                          params={"job": manifest.job_id}).to_arrow_table()
+        shards = con.execute("SELECT shard_id, status, error, epoch(finished_at) FROM shards "
+                             "WHERE job_id = ?", [manifest.job_id]).fetchall()
+    except duckdb.Error as exc:
+        raise ExportError(f"job {manifest.job_id}'s output not written: "
+                          f"{unreadable_part_message(str(exc))}") from None
+    finally:
+        con.close()
+    return outputs, shards
 
 
 @dataclass

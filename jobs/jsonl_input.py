@@ -6,10 +6,13 @@ Parquet columns). Either way each line becomes a row with the input columns of j
 everything after (shards, workers, outputs) is the same as for Parquet input.
 
 Errors name the file, the line (1-based) and the field, and come before any shard of the job is
-in place (shards are written to a staging directory first). OpenAI request lines have fixed columns
-and are checked as they are read; plain rows are read twice, so that every batch of the file has one
-Arrow schema: `JsonlInput.scan` checks every line and settles the type of each carried-through key,
-`batches` converts the lines a few thousand at a time.
+in place (shards are written to a staging directory first). The file is read one line at a time as
+bytes: a line over MAX_CELL_BYTES is refused before it is read whole (memory stays bounded whatever
+the file holds), and each line is decoded apart, so bad UTF-8 or JSON nested too deeply is named on
+its own line. OpenAI request lines have fixed columns and are checked as they are read; plain rows
+are read twice, so that every batch of the file has one Arrow schema: `JsonlInput.scan` checks every
+line and settles the type of each carried-through key, `batches` converts the lines a few thousand
+at a time.
 """
 
 from __future__ import annotations
@@ -24,7 +27,15 @@ import pyarrow as pa
 
 from jobs import openai_batch
 from jobs.manifest import URL_COLUMN
-from jobs.spec import KNOWN_COLUMNS, MAX_N, SAMPLING_COLUMNS, InputError
+from jobs.spec import (
+    KNOWN_COLUMNS,
+    MAX_CELL_BYTES,
+    MAX_JSON_DEPTH,
+    MAX_N,
+    SAMPLING_COLUMNS,
+    InputError,
+    json_depth,
+)
 
 BATCH_LINES = 4096
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
@@ -121,20 +132,30 @@ _FORMAT_NAMES = {"openai": ("an OpenAI batch request line", "OpenAI batch reques
 
 
 def _objects(path: Path) -> Iterator[tuple[int, dict]]:
-    """(1-based line number, JSON object) of every non-blank line."""
+    """(1-based line number, JSON object) of every non-blank line. The file is read as bytes, one line
+    at a time and at most MAX_CELL_BYTES of it: a longer line is refused before it is read whole, and
+    each line is decoded on its own, so bad UTF-8 is reported on its own line."""
     try:
-        handle = open(path, encoding="utf-8")  # noqa: SIM115 - closed below, errors become InputError
+        handle = open(path, "rb")  # noqa: SIM115 - closed below, errors become InputError
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror})") from None
     with handle:
         line_no = 0
-        try:
-            for line_no, text in enumerate(handle, 1):  # noqa: B007 - line_no is used after the loop
-                if not text.strip():
-                    continue
-                yield line_no, _parse(text, path, line_no)
-        except UnicodeDecodeError as exc:
-            raise InputError(f"{path} line {line_no + 1}: not UTF-8 text ({exc.reason})") from None
+        while raw := handle.readline(MAX_CELL_BYTES + 1):
+            line_no += 1
+            if len(raw) > MAX_CELL_BYTES and not raw.endswith(b"\n"):
+                raise InputError(f"{path} line {line_no}: longer than {MAX_CELL_BYTES >> 20} MiB, the most a "
+                                 "line may hold (a prompt that long is past any model's context)")
+            if raw.strip():
+                yield line_no, _parse(_decode(raw, path, line_no), path, line_no)
+
+
+def _decode(raw: bytes, path: Path, line_no: int) -> str:
+    try:
+        return raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path} line {line_no}: not UTF-8 text ({exc.reason} at byte {exc.start + 1} "
+                         "of the line)") from None
 
 
 def _parse(text: str, path: Path, line_no: int) -> dict:
@@ -142,8 +163,13 @@ def _parse(text: str, path: Path, line_no: int) -> dict:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{path} line {line_no}: not JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise InputError(f"{path} line {line_no}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(obj, dict):
         raise InputError(f"{path} line {line_no}: a line must be a JSON object, got {type(obj).__name__}")
+    depth = json_depth(obj)
+    if depth > MAX_JSON_DEPTH:
+        raise InputError(f"{path} line {line_no}: JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH}")
     return obj
 
 

@@ -37,7 +37,8 @@ LEASE_TTL_ENV = "BATCHGEN_LEASE_TTL_S"
 DEFAULT_LEASE_TTL_S = 30.0  # a heartbeat older than this means the attempt's worker is gone
 HEARTBEAT_FRACTION = 0.2  # heartbeats are written every ttl * this
 # handed_back: the worker was interrupted and gave the shard back (not a failure; no retry used)
-ENDED = ("committed", "failed", "retrying", "cancelled", "superseded", "skipped", "handed_back")
+# requeued: the attempt had failed for good (or its rows were lost), and the shard was queued again
+ENDED = ("committed", "failed", "retrying", "cancelled", "superseded", "skipped", "handed_back", "requeued")
 
 _CLAIM_RE = re.compile(r"^shard-(\d{6})\.a(\d{3,})\.claim$")
 
@@ -147,7 +148,7 @@ class ShardLeases:
         self.ttl_s = lease_ttl_s() if ttl_s is None else ttl_s
 
     # -- names
-    def _claim(self, shard_id: int, attempt: int) -> Path:
+    def claim_file(self, shard_id: int, attempt: int) -> Path:
         return self.directory / f"shard-{shard_id:06d}.a{attempt:03d}.claim"
 
     def _state(self, shard_id: int, attempt: int) -> Path:
@@ -178,7 +179,7 @@ class ShardLeases:
 
     def view(self, shard_id: int, attempt: int) -> AttemptView:
         try:
-            claimed = self._claim(shard_id, attempt).stat().st_mtime
+            claimed = self.claim_file(shard_id, attempt).stat().st_mtime
         except FileNotFoundError:
             claimed = 0.0
         return AttemptView(shard_id, attempt, claimed, self._read_state(shard_id, attempt),
@@ -202,14 +203,14 @@ class ShardLeases:
         if latest is not None and latest.alive(now, self.ttl_s):
             return None
         attempt = attempts[-1] + 1 if attempts else 1
-        if not _create_once(self._claim(shard_id, attempt)):
+        if not _create_once(self.claim_file(shard_id, attempt)):
             return None  # another delivery claimed it a moment ago
         lease = Lease(self, shard_id, LeaseState(worker_id, socket.gethostname(), os.getpid(), attempt,
                                                  "running", now, now))
         try:
             lease.write()
         except OSError:  # a full disk: give the attempt number back, or it would look alive for a TTL
-            self._claim(shard_id, attempt).unlink(missing_ok=True)
+            self.claim_file(shard_id, attempt).unlink(missing_ok=True)
             raise
         return lease
 

@@ -11,10 +11,14 @@ through one method here, which writes both, always in the same order:
     heartbeat  the claimant's lease, with progress (`Claim.heartbeat`)
     commit     the attempt's rows count (first commit wins), the lease ends `committed`
     retry      the attempt failed, another is queued after a backoff             -> `failed`, `queued`
+               (a shard failed for good and queued again: its attempt ends `requeued`)
     fail       the attempt failed and no retry is left                           -> `failed`
     hand_back  the worker was interrupted: no retry used, the shard is queued again
     step_aside a newer attempt exists (this one was presumed dead): no commit
     cancel     the job (marker for workers + request for the views), or a shard skipped for it
+    lose       a committed shard's rows were lost (a part gone or damaged; `store check --repair`):
+               its commit is revoked, the lease ends `failed`                    -> `failed`
+    restore    a committed shard whose lease files are gone gets them back from its commit
 
 Orchestration (when to retry, which shard is dead, who publishes a message) stays with the callers
 (jobs.shard_runner, jobs.supervise, jobs.status, jobs.resume, jobs.submit); none of them writes a
@@ -75,10 +79,14 @@ class ShardLedger:
 
     def queue(self, shard_id: int, reason: str, *, mark_latest: bool = False) -> None:
         """Queue a shard's next attempt (a retry, a resume, a dead attempt re-queued). `mark_latest`
-        marks its latest attempt re-queued first, so the janitor does not queue it a second time."""
+        marks its latest attempt re-queued first, so the janitor does not queue it a second time. A
+        latest attempt that failed for good ends `requeued`: progress shows the shard waiting."""
         attempts = self.leases.claimed_attempts().get(shard_id, [])
-        if mark_latest and attempts:
-            self.leases.mark_requeued(shard_id, attempts[-1])
+        latest = self.leases.view(shard_id, attempts[-1]) if attempts else None
+        if latest is not None and latest.state is not None and latest.state.state == "failed":
+            Lease(self.leases, shard_id, latest.state).end("requeued", reason)
+        elif mark_latest and latest is not None:
+            self.leases.mark_requeued(shard_id, latest.attempt)
         self._queued_after(shard_id, attempts[-1] if attempts else 0, reason)
 
     def take_dead(self, view: AttemptView) -> bool:
@@ -152,6 +160,36 @@ class ShardLedger:
         self._events([ShardEvent(self.job_id, shard_id, "cancelled", time.time(),
                                  error="job cancelled before this shard ran")])
 
+    # -- damage
+    def lose(self, shard_id: int, reason: str) -> None:
+        """A committed shard whose rows were lost: its commit no longer counts (the views and
+        `Store.committed` say not committed), its latest attempt ends failed, and the shard shows failed
+        with `reason` until `batchgen retry` or the same `batchgen run` queues it again."""
+        record = self.store.committed(self.job_id, shard_id)
+        if record is not None:
+            self.store.revoke_commit(record, reason)
+        latest = self.leases.latest(shard_id)
+        attempt = record.attempt if record is not None else 0
+        if latest is not None:
+            self._end_for(latest, "failed", reason)
+            attempt = max(attempt, latest.attempt)
+        self._events([ShardEvent(self.job_id, shard_id, "failed", time.time(), attempt=attempt,
+                                 worker_id="", error=reason)])
+
+    def restore(self, shard_id: int, record: CommitRecord) -> bool:
+        """Lease files of a committed shard that are gone (deleted, or lost with a copy) written again
+        from its commit, so progress read from leases sees it committed; False when they were there."""
+        latest = self.leases.latest(shard_id)
+        if latest is not None and latest.state is not None:
+            return False
+        attempt = latest.attempt if latest is not None else record.attempt
+        view = AttemptView(shard_id, attempt, record.committed_ts, None, False)
+        self.leases.directory.mkdir(parents=True, exist_ok=True)
+        self.leases.claim_file(shard_id, attempt).touch()
+        self._end_for(view, "committed", "lease files restored from the store's commit",
+                      worker=record.worker_id)
+        return True
+
     # -- internals
     def _events(self, events: list[ShardEvent]) -> None:
         if events:
@@ -170,8 +208,8 @@ class ShardLedger:
         else:
             claim.attempt.fail(reason)
 
-    def _end_for(self, view: AttemptView, state: str, note: str) -> str:
-        worker = view.state.worker_id if view.state is not None else "unknown"
+    def _end_for(self, view: AttemptView, state: str, note: str, worker: str = "unknown") -> str:
+        worker = view.state.worker_id if view.state is not None else worker
         lease = view.state or LeaseState(worker, "", 0, view.attempt, "running", view.claimed_ts,
                                          view.claimed_ts)
         Lease(self.leases, view.shard_id, lease).end(state, note)

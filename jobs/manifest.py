@@ -7,8 +7,14 @@
 
 A shard file holds its input rows unchanged (every column, so extra columns keep their types) plus
 `_bg_row` (the row's position in the job's input) and `_bg_request_id` (and, for OpenAI Batch input,
-`_bg_url`: the endpoint each request line named). Task messages carry only the
-job id, the shard id and absolute paths; every path in the manifest is absolute so any cwd works.
+`_bg_url`: the endpoint each request line named).
+
+A data dir is self-contained: the manifest names no absolute path of it. It does not record the data
+dir at all (`JobManifest.data_dir` is where it was loaded from), its shard files are found by their
+place in the job's directory, and a file the user named inside the data dir (an input, `--output`)
+is written relative to it; files outside it are the user's own and keep their absolute path. So a
+copied or moved data dir reads and writes its own files, never the original's. In memory every path
+is absolute, so any cwd works.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import pyarrow.parquet as pq
 from jobs.store import check_id, new_uid, write_atomic
 
 JOBS_DIR = "jobs"
+SHARDS_DIR = "shards"  # a job's shard files, in its directory
 ROW_COLUMN = "_bg_row"  # 0-based position of the row in the job's input (input order)
 REQUEST_ID_COLUMN = "_bg_request_id"  # the row's id (the `id` column as text, else the row number)
 URL_COLUMN = "_bg_url"  # OpenAI Batch input only: the request line's url (which endpoint answers it)
@@ -36,7 +43,7 @@ class ShardInfo:
     """One shard of a job: a contiguous run of input rows."""
 
     shard_id: int  # 0 .. num_shards-1
-    path: str  # absolute path of the shard's Parquet file
+    path: str  # absolute path of the shard's Parquet file (in the file: relative to the job's directory)
     num_requests: int  # rows in the shard
     first_row: int  # input position of its first row
 
@@ -46,7 +53,7 @@ class JobManifest:
     """What a job was submitted as; workers, status and export read it."""
 
     job_id: str
-    data_dir: str  # absolute DATA_DIR
+    data_dir: str  # absolute DATA_DIR it was loaded from (never written to the manifest file)
     inputs: list[str]  # absolute paths of the input files (Parquet or JSONL), in order
     num_requests: int  # input rows
     shard_size: int  # rows per shard (the last may be shorter)
@@ -76,14 +83,47 @@ class JobManifest:
             raise KeyError(f"job {self.job_id} has no shard {shard_id} (it has {len(self.shards)})")
         return self.shards[shard_id]
 
+    def to_dict(self) -> dict:
+        """The manifest as written: no data dir, paths inside the data dir relative to it."""
+        root = Path(self.data_dir)
+        data = asdict(self)
+        del data["data_dir"]
+        data["inputs"] = [portable_path(p, root) for p in self.inputs]
+        data["output_path"] = portable_path(self.output_path, root) if self.output_path else ""
+        for shard in data["shards"]:
+            shard["path"] = f"{SHARDS_DIR}/{Path(shard['path']).name}"
+        return data
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> JobManifest:
+    def from_json(cls, text: str, data_dir: str | os.PathLike) -> JobManifest:
+        """The manifest of a job under `data_dir` (whatever data dir an older manifest names)."""
         data = json.loads(text)
-        data["shards"] = [ShardInfo(**s) for s in data["shards"]]
+        root = Path(data_dir).expanduser().resolve()
+        data["data_dir"] = str(root)
+        paths = JobPaths.of(root, data["job_id"])
+        data["shards"] = [ShardInfo(**{**s, "path": str(paths.shard_file(s["shard_id"]))})
+                          for s in data["shards"]]
+        data["inputs"] = [str(resolve_portable(p, root)) for p in data["inputs"]]
+        if data.get("output_path"):
+            data["output_path"] = str(resolve_portable(data["output_path"], root))
         return cls(**data)
+
+
+def portable_path(path: str | os.PathLike, root: Path) -> str:
+    """`path` relative to the data dir `root` when it lies inside it, else as it is (absolute)."""
+    path = Path(path)
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def resolve_portable(text: str, root: Path) -> Path:
+    """The absolute path of a `portable_path` written under the data dir `root`."""
+    return root / text if not os.path.isabs(text) else Path(text)
 
 
 @dataclass(frozen=True)
@@ -102,7 +142,7 @@ class JobPaths:
 
     @property
     def shards(self) -> Path:
-        return self.root / "shards"
+        return self.root / SHARDS_DIR
 
     @property
     def leases(self) -> Path:
@@ -127,12 +167,55 @@ def write_manifest(manifest: JobManifest, paths: JobPaths) -> None:
 
 
 def load_manifest(data_dir: str | os.PathLike, job_id: str) -> JobManifest:
-    """The manifest of `job_id`; FileNotFoundError names the job when there is none."""
+    """The manifest of `job_id`; FileNotFoundError names the job when there is none, ManifestError
+    names the file when it cannot be read."""
     paths = JobPaths.of(data_dir, job_id)
     try:
-        return JobManifest.from_json(paths.manifest.read_text())
+        text = paths.manifest.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FileNotFoundError(f"no job {job_id!r} under {paths.root.parent} (no manifest.json)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ManifestError(paths.manifest, exc) from None
+    try:
+        return JobManifest.from_json(text, data_dir)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ManifestError(paths.manifest, exc) from None
+
+
+class ManifestError(ValueError):
+    """A job's manifest.json that cannot be read (truncated, edited, written by something else)."""
+
+    def __init__(self, path: Path, cause: BaseException) -> None:
+        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        super().__init__(f"{path} is unreadable ({why}): restore it from a copy of the data dir, or run "
+                         "`batchgen store check --repair` to rebuild it from the store's record of the job")
+        self.path = path
+
+
+def rebuild_manifest(data_dir: str | os.PathLike, job_id: str, config: str) -> JobManifest:
+    """A job's manifest written again from the store's record of it (the `jobs` view's `config`: the
+    manifest as written, but its shard list) and its shard files; ManifestError when they disagree."""
+    paths = JobPaths.of(data_dir, job_id)
+    data = json.loads(config)
+    data.pop("data_dir", None)  # recorded by batchgen versions before data dirs were portable
+    data["shards"], rows = [], 0
+    for shard_id, path in enumerate(sorted(paths.shards.glob("shard-*.parquet"))):
+        try:
+            num_rows = pq.read_metadata(path).num_rows
+        except (OSError, pa.ArrowException) as exc:
+            cause = ShardFileError(f"shard file {path} is unreadable ({exc})")
+            raise ManifestError(paths.manifest, cause) from None
+        if path != paths.shard_file(shard_id):
+            raise ManifestError(paths.manifest, ShardFileError(f"{paths.shard_file(shard_id)} is missing"))
+        data["shards"].append({"shard_id": shard_id, "path": path.name, "num_requests": num_rows,
+                               "first_row": rows})
+        rows += num_rows
+    if rows != data.get("num_requests"):
+        raise ManifestError(paths.manifest, ShardFileError(
+            f"the shard files hold {rows} rows, the job's record {data.get('num_requests')}"))
+    manifest = JobManifest.from_json(json.dumps(data), data_dir)
+    write_manifest(manifest, paths)
+    return manifest
 
 
 def list_job_ids(data_dir: str | os.PathLike) -> list[str]:

@@ -251,6 +251,7 @@ class WorkerRuntime:
         self.record = record  # written on every heartbeat when given (jobs.store.workers)
         self._on_tick = on_tick  # called every housekeeping tick (revoked tasks, ...)
         self.iterations = 0  # engine steps so far
+        self._telemetry_failing = False  # the last telemetry write failed (warned once per spell)
         self._held: dict[str, _Held] = {}
         self._draining = threading.Event()  # shutting down: finish held shards, take no new ones
         self._lock = threading.Lock()
@@ -272,7 +273,7 @@ class WorkerRuntime:
     def _on_iteration(self, stats: IterationStats) -> None:
         stats.worker_id = self.worker_id
         self.iterations += 1
-        self.telemetry.append(stats)
+        self._telemetry(lambda: self.telemetry.append(stats))
         if self.metrics is not None:
             self.metrics.on_iteration(stats)
 
@@ -283,7 +284,20 @@ class WorkerRuntime:
     def _on_idle(self) -> None:
         if self.metrics is not None:  # first: a reader that sees the flushed telemetry sees an idle engine
             self.metrics.on_idle()
-        self.telemetry.flush()
+        self._telemetry(self.telemetry.flush)
+
+    def _telemetry(self, write: Callable[[], object]) -> None:
+        """Telemetry is best effort: a write that fails (a full disk) keeps its rows for the next one,
+        and never fails an engine step (its shards) or stops the engine loop (the worker)."""
+        try:
+            write()
+        except OSError as exc:
+            if not self._telemetry_failing:
+                log.warning("worker %s: telemetry not written (%s); kept for the next write",
+                            self.worker_id, exc)
+            self._telemetry_failing = True
+        else:
+            self._telemetry_failing = False
 
     def start(self) -> WorkerRuntime:
         self._write_record()

@@ -45,12 +45,11 @@ SEED_MIN, SEED_SPAN = -(1 << 63), 3 << 63  # SamplingParams' seed range: [-2**63
 
 @dataclass
 class ShardTask:
-    """What a shard message says (ids and absolute paths), plus the delivery's retry count."""
+    """What a shard message says (ids), the data dir of the worker it reached, and its retry count."""
 
     job_id: str
     shard_id: int
-    shard_path: str  # absolute path of the shard's Parquet file
-    data_dir: str  # absolute DATA_DIR of the job
+    data_dir: str  # the worker's DATA_DIR (the job's shard file and manifest are found there)
     retries: int = 0  # retries already made of this shard (Celery's request.retries)
 
 
@@ -113,7 +112,7 @@ def _run_attempt(task: ShardTask, manifest: JobManifest, runtime: WorkerRuntime,
                  claim: Claim) -> ShardOutcome:
     runtime.check_model(manifest)
     info = manifest.shard(task.shard_id)
-    table = read_shard(task.shard_path or info.path, info.num_requests)
+    table = read_shard(info.path, info.num_requests)
     rows = table.to_pylist()
     key = f"{task.job_id}:{task.shard_id}:{claim.number}"
     plan = plan_requests(rows, manifest, key, runtime.has_chat_template)

@@ -3,8 +3,9 @@
 Two kinds of bad input, handled differently:
 
 - Input errors (`InputError`): an unreadable or missing file, no `prompt`/`messages` column, a
-  column of the wrong type, a null or duplicate `id`. The job is refused before any work, with a
-  message naming the file, the column and the row.
+  column of the wrong type, a null or duplicate `id`, a line or cell over MAX_CELL_BYTES, JSON
+  nested deeper than MAX_JSON_DEPTH. The job is refused before any work, with a message naming the
+  file, the column and the row (or line).
 - Rows that cannot run (an empty prompt, `max_tokens` < 1, a temperature < 0, ...): the job goes
   on and the row becomes an output row with finish_reason "error". `row_request` says why; the
   engine itself reports the rows it alone can judge (a prompt longer than the model's context).
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine.sampling_params import SamplingParams
@@ -55,6 +57,14 @@ KNOWN_COLUMNS = ("id", *PROMPT_COLUMNS, *SAMPLING_COLUMNS)
 GLOB_CHARS = "*?["
 INPUT_SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl"}  # file suffix -> input kind
 MAX_N = 128  # samples per row at most (OpenAI's limit for `n`)
+# The largest JSONL line, or Parquet cell (a prompt, a messages list, any carried column), an input may
+# hold: far past any model's context (a prompt that long would be an error row anyway). A JSONL line
+# over it is refused once this many bytes were read (never read whole); a Parquet cell as its batch of
+# rows is read, before any row of it is parsed.
+MAX_CELL_BYTES = 16 << 20
+# JSON nested deeper than this (a line, a response_format schema) is refused: real schemas nest a few
+# levels, and deeper ones exhaust the recursion of the JSON reader and the grammar compiler
+MAX_JSON_DEPTH = 128
 CHAT_TEMPLATE_MODES = ("auto", "always", "never")  # --apply-chat-template
 
 
@@ -380,9 +390,52 @@ def _cell(name: str, value: Any) -> Any:
 
 def _json_value(name: str, text: str) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{name} is not JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{name} is JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    depth = json_depth(value)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"{name} is JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH}")
+    return value
+
+
+def json_depth(value: Any) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (a scalar: 0); iterative, so any
+    depth is measured without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        todo.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check_cell_sizes(batch: pa.RecordBatch, path: Path, file_row0: int) -> None:
+    """No cell of the batch holds more than MAX_CELL_BYTES (InputError naming the row and column);
+    a column whose whole batch is under the limit is passed at once."""
+    for name, column in zip(batch.schema.names, batch.columns, strict=True):
+        if column.nbytes <= MAX_CELL_BYTES:
+            continue
+        sizes = _cell_sizes(column)
+        over = next((i for i, size in enumerate(sizes) if size > MAX_CELL_BYTES), None)
+        if over is not None:
+            raise InputError(f"{path} row {file_row0 + over}: column {name!r} holds "
+                             f"{sizes[over] / (1 << 20):.1f} MiB; a cell may hold at most "
+                             f"{MAX_CELL_BYTES >> 20} MiB")
+
+
+def _cell_sizes(column: pa.Array) -> list[int]:
+    """Bytes of each cell: a string's length, else the Arrow bytes of the one-row slice."""
+    kind = column.type
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_binary(kind) \
+            or pa.types.is_large_binary(kind):
+        return pc.fill_null(pc.binary_length(column), 0).to_pylist()
+    return [column.slice(i, 1).nbytes for i in range(len(column))]
 
 
 def _check_messages(messages: list) -> str | None:

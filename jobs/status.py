@@ -15,7 +15,7 @@ import duckdb
 
 from jobs.broker import BrokerSettings
 from jobs.ledger import ShardLedger
-from jobs.manifest import JobManifest, load_manifest
+from jobs.manifest import JobManifest, ManifestError, load_manifest
 from jobs.store import (
     connect,
     no_worker_warning,
@@ -78,7 +78,7 @@ def jobs_status(data_dir: str) -> list[dict]:
     rows, records = [], read_worker_records(data_dir)
     for job_id in sorted(jobs, key=lambda j: (str(jobs[j]["submitted_at"]), j)):
         job = jobs[job_id]
-        live = _live_rows(data_dir, job_id)
+        live, damaged = _live_rows(data_dir, job_id)
         config = json.loads(job["config"] or "{}")
         rows.append({
             "job_id": job_id, "status": job["status"], "model": job["model"],
@@ -87,8 +87,8 @@ def jobs_status(data_dir: str) -> list[dict]:
             "shards_completed": job["shards_completed"], "shards_failed": job["shards_failed"],
             "shards_running": job["shards_running"], "output_tokens": job["output_tokens"],
             "submitted_at": job["submitted_at"], "finished_at": job["finished_at"], "error": job["error"],
-            "warning": no_worker_warning(queued_shards(job), config.get("queue", ""),
-                                         config.get("broker", ""), records, time.time()),
+            "warning": damaged or no_worker_warning(queued_shards(job), config.get("queue", ""),
+                                                    config.get("broker", ""), records, time.time()),
         })
     return rows
 
@@ -100,11 +100,14 @@ def queued_shards(job: dict) -> int:
     return (job["num_shards"] or 0) - job["shards_completed"] - job["shards_failed"] - job["shards_running"]
 
 
-def _live_rows(data_dir: str, job_id: str) -> int:
+def _live_rows(data_dir: str, job_id: str) -> tuple[int, str | None]:
+    """Rows done by the job's running attempts, and why they cannot be known (a damaged manifest)."""
     try:
-        return job_progress(load_manifest(data_dir, job_id)).rows_done
+        return job_progress(load_manifest(data_dir, job_id)).rows_done, None
+    except ManifestError as exc:
+        return 0, str(exc)
     except (OSError, ValueError):
-        return 0
+        return 0, None
 
 
 SHARD_STATES = ("completed", "running", "queued", "failed", "cancelled")  # the `shards` view's statuses
@@ -224,7 +227,7 @@ def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[i
         con.close()
     for shard_id in failed:
         ledger.queue(shard_id, "retry requested")
-        publish_shard(broker, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir)
+        publish_shard(broker, manifest.job_id, shard_id)
     return failed
 
 
@@ -251,7 +254,7 @@ def retry_stuck_shards(manifest: JobManifest, broker: BrokerSettings,
         if store.committed(manifest.job_id, info.shard_id) is not None:
             continue
         ledger.take_republish(info.shard_id, time.time())
-        publish_shard(broker, manifest.job_id, info.shard_id, info.path, manifest.data_dir,
+        publish_shard(broker, manifest.job_id, info.shard_id,
                       retries=retries_used(leases, info.shard_id, attempts))
         stuck.append(info.shard_id)
     return stuck

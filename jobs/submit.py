@@ -14,7 +14,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,6 +28,7 @@ from jobs.spec import (
     InputError,
     InputSchema,
     RequestIds,
+    check_cell_sizes,
     check_model,
     check_sampling_values,
     input_kind,
@@ -208,6 +209,8 @@ def _read_file(source: _InputFile, writer: ShardWriter, ids: RequestIds) -> int:
         except Exception as exc:  # noqa: BLE001 - pyarrow raises many kinds for a damaged file
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise InputError(f"{source.path}: unreadable after row {file_row} ({first_line})") from exc
+        if lines is None:  # a JSONL line is checked as it is read
+            check_cell_sizes(batch, source.path, file_row)
         max_n = max(max_n, check_sampling_values(batch, source.path, file_row, lines))
         writer.add(batch, ids.take(batch, source.path, file_row, lines))
         file_row += batch.num_rows
@@ -228,17 +231,22 @@ def publish_job(manifest: JobManifest, broker: BrokerSettings) -> None:
     from jobs.celery_app import publish_shard
 
     store = Store(manifest.data_dir)
-    store.record_job(JobRecord(manifest.job_id, manifest.model, manifest.num_requests, len(manifest.shards),
-                               manifest.submitted_ts, config=job_config_json(manifest),
-                               output_path=manifest.output_path))
+    store.record_job(job_record(manifest))
     ShardLedger(manifest.data_dir, manifest.job_id, store).queue_new(
         (s.shard_id, s.num_requests) for s in manifest.shards)
     for shard in manifest.shards:
-        publish_shard(broker, manifest.job_id, shard.shard_id, shard.path, manifest.data_dir)
+        publish_shard(broker, manifest.job_id, shard.shard_id)
+
+
+def job_record(manifest: JobManifest) -> JobRecord:
+    """The store's record of a job (the `jobs` view's row), from its manifest."""
+    config = job_config_json(manifest)
+    return JobRecord(manifest.job_id, manifest.model, manifest.num_requests, len(manifest.shards),
+                     manifest.submitted_ts, config=config, output_path=json.loads(config)["output_path"])
 
 
 def job_config_json(manifest: JobManifest) -> str:
-    """The `config` column of the `jobs` view: everything but the shard list."""
-    data = asdict(manifest)
+    """The `config` column of the `jobs` view: the manifest as written, but the shard list."""
+    data = manifest.to_dict()
     data.pop("shards")
     return json.dumps(data, sort_keys=True)

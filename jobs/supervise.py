@@ -104,7 +104,7 @@ def _shard_progress(shard_id: int, num_requests: int, view: AttemptView | None, 
         state = st.state
     elif st.state == "cancelled":
         state = "cancelled"
-    else:  # superseded / skipped: a newer attempt decides; until it is claimed the shard waits
+    else:  # superseded / skipped / requeued: a newer attempt decides; until it is claimed the shard waits
         state = "queued"
     rows = num_requests if state == "committed" else st.rows_done
     return ShardProgress(shard_id, num_requests, state, view.attempt, rows, st.output_tokens,
@@ -123,7 +123,7 @@ def requeue_dead_shards(data_dir: str | Path, broker: BrokerSettings) -> list[tu
     store = None
     root = str(Path(data_dir).expanduser().resolve())
     for job_id in list_job_ids(root):
-        if (root, job_id) in _FINISHED:
+        if _FINISHED.get((root, job_id)) == _leases_mtime(root, job_id):
             continue
         try:
             manifest = load_manifest(root, job_id)
@@ -136,8 +136,16 @@ def requeue_dead_shards(data_dir: str | Path, broker: BrokerSettings) -> list[tu
     return requeued
 
 
-# jobs seen fully committed (nothing of theirs can die any more)
-_FINISHED: set[tuple[str, str]] = set()
+# jobs seen fully committed (nothing of theirs can die any more), with the mtime of their lease
+# directory then: a shard marked lost (`ShardLedger.lose`) and claimed again changes it
+_FINISHED: dict[tuple[str, str], float] = {}
+
+
+def _leases_mtime(root: str, job_id: str) -> float:
+    try:
+        return JobPaths.of(root, job_id).leases.stat().st_mtime
+    except OSError:
+        return -1.0
 
 
 def _requeue_job(manifest: JobManifest, store: Store, broker: BrokerSettings) -> list[tuple[str, int]]:
@@ -146,6 +154,7 @@ def _requeue_job(manifest: JobManifest, store: Store, broker: BrokerSettings) ->
     ledger = ShardLedger(manifest.data_dir, manifest.job_id, store)
     if ledger.cancelled:
         return []
+    stamp = _leases_mtime(manifest.data_dir, manifest.job_id)  # before reading them
     leases = ledger.leases
     claims = leases.claimed_attempts()
     now, done, requeued = time.time(), 0, []
@@ -168,11 +177,10 @@ def _requeue_job(manifest: JobManifest, store: Store, broker: BrokerSettings) ->
                     view.attempt)
         ledger.queue(shard_id, f"re-queued: attempt {view.attempt} died")
         target = BrokerSettings(broker.url, broker.kind, manifest.queue, broker.shard_timeout_s)
-        publish_shard(target, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir,
-                      retries=retries)
+        publish_shard(target, manifest.job_id, shard_id, retries=retries)
         requeued.append((manifest.job_id, shard_id))
     if done == len(manifest.shards):
-        _FINISHED.add((manifest.data_dir, manifest.job_id))
+        _FINISHED[(manifest.data_dir, manifest.job_id)] = stamp
         return requeued
     return requeued + _republish_lost(manifest, store, broker, leases, claims)
 
@@ -181,7 +189,8 @@ def _requeue_job(manifest: JobManifest, store: Store, broker: BrokerSettings) ->
 
 REPUBLISH_AFTER_ENV = "BATCHGEN_REPUBLISH_AFTER_S"
 DEFAULT_REPUBLISH_AFTER_S = 120.0
-WAITING_ENDS = ("handed_back", "superseded", "skipped")  # an attempt that ended so that a message is owed
+# an attempt that ended so that a message is owed (requeued: failed for good, then queued again)
+WAITING_ENDS = ("handed_back", "superseded", "skipped", "requeued")
 
 
 def republish_after_s() -> float:
@@ -241,8 +250,7 @@ def _republish(manifest: JobManifest, store: Store, target: BrokerSettings, leas
         return False
     log.warning("job %s shard %d: waiting %.0f s with no message in %s queue %r; re-publishing it",
                 manifest.job_id, shard_id, time.time() - since, target.display_url, target.queue)
-    publish_shard(target, manifest.job_id, shard_id, manifest.shard(shard_id).path, manifest.data_dir,
-                  retries=retries_used(leases, shard_id, attempts))
+    publish_shard(target, manifest.job_id, shard_id, retries=retries_used(leases, shard_id, attempts))
     return True
 
 
@@ -253,7 +261,7 @@ def retries_used(leases: ShardLeases, shard_id: int, attempts: list[int]) -> int
     for attempt in attempts:
         view = leases.view(shard_id, attempt)
         st = view.state
-        if st is not None and st.state == "failed":
+        if st is not None and st.state in ("failed", "requeued"):
             used = 0
         elif st is not None and st.state == "retrying":
             used += 1

@@ -20,9 +20,12 @@ Layout of a data dir (DATA_DIR: `--data-dir`, `$BATCHGEN_DATA_DIR`, default `./d
     part name: <job>~s<shard:06d>~a<attempt:03d>~<uid>~<kind>~<seq:06d>.parquet   (shard attempt kinds)
                <group>~<uid>~<kind>~<seq:06d>.parquet                            (everything else)
 
-Kinds: job_records, job_events (cancel requests), shard_events, commits, outputs, requests,
-iterations, sweeps (`schemas.py`). Views: jobs, shards, outputs, requests, requests_live,
-iterations, sweeps (`catalog.py`).
+Kinds: job_records, job_events (cancel requests), shard_events, commits (and their revocations,
+rows with `lost` set: `Store.revoke_commit`), outputs, requests, iterations, sweeps (`schemas.py`).
+Views: jobs, shards, outputs, requests, requests_live, iterations, sweeps (`catalog.py`).
+
+Nothing in a data dir names its own absolute path (view globs in the catalog file and tombstones are
+relative to DATA_DIR): a copied or moved data dir reads and writes only itself.
 
 Public API:
 
@@ -36,7 +39,9 @@ Public API:
   (`queries.py`).
 - user SQL under hard limits (a child process per query): `run_sandboxed`, `SqlLimits`, `QueryBusy`,
   the `DEFAULT_*` limits (`sqlsandbox.py`); unreadable parts: `connect_reporting`,
-  `unreadable_part_message` (`catalog.py`), `batchgen store check` (`check.py`).
+  `unreadable_part_message` (`catalog.py`); `check_store`, `missing_rows`, `quarantine`, `CheckReport`
+  (`check.py`, behind `batchgen store check`, which lives in jobs.repair: repairing marks shards lost
+  through the jobs layer's shard ledger).
 - maintenance: `compact`, `compact_job`, `compact_telemetry`, `collect_garbage` (`compact.py`).
 - layout: `DATA_DIR_ENV`, `DEFAULT_DATA_DIR`, `check_id`, `new_uid`, `write_atomic` (`layout.py`); schema
   constants `INTERNAL_PREFIX`, `OUTPUTS`, `LOGPROBS_TYPE` (`schemas.py`); worker heartbeats `WorkerRecord`,
@@ -53,6 +58,7 @@ from jobs.store.catalog import (
     unreadable_part_message,
     write_catalog,
 )
+from jobs.store.check import CheckReport, check_store, missing_rows, quarantine
 from jobs.store.compact import collect_garbage, compact, compact_job, compact_telemetry
 from jobs.store.layout import (
     DATA_DIR_ENV,
@@ -91,6 +97,7 @@ __all__ = [
     "DEFAULT_ADDRESS_SPACE_BYTES", "DEFAULT_MAX_CONCURRENT", "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_MEMORY_LIMIT",
     "QueryBusy", "SqlLimits", "connect_reporting", "run_sandboxed", "unreadable_part_message",
+    "CheckReport", "check_store", "missing_rows", "quarantine",
     "DATA_DIR_ENV", "DEFAULT_DATA_DIR", "INTERNAL_PREFIX", "LOGPROBS_TYPE", "OUTPUTS", "QUERIES",
     "README_EXAMPLES", "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout",
     "ShardAttempt", "ShardEvent", "Store", "StoreError", "SweepRecord", "TelemetryBuffer", "UserSqlError",

@@ -12,7 +12,8 @@ Views (the contract users query; their building blocks are internal views in the
 `SHOW TABLES`; `_bg_*` columns are internal):
 
 - `jobs`, `shards`: status derived from job records, shard events, cancel requests and commits.
-- `outputs`, `requests`: rows of the one committed attempt per shard (first committed wins).
+- `outputs`, `requests`: rows of the one committed attempt per shard (first committed wins; a commit
+  revoked because its rows were lost, `Store.revoke_commit`, does not count).
 - `requests_live`: also the rows of each uncommitted shard's latest attempt (`committed` = false),
   for live progress; a killed attempt's rows show there until its retry starts writing.
 - `iterations`, `sweeps`: every written row (not tied to shard attempts).
@@ -42,7 +43,6 @@ the next query).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import duckdb
 
-from jobs.store.layout import SCHEMA_VERSION, Layout, StoreError, init_data_dir, write_atomic
+from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, SCHEMA_VERSION, Layout, init_data_dir
 from jobs.store.schemas import KINDS
 
 log = logging.getLogger(__name__)
@@ -61,10 +61,6 @@ USER_VIEWS = ("jobs", "shards", "outputs", "requests", "requests_live", "iterati
 # a compacted file counts this long after it was named (see the module docstring)
 ACTIVATION_DELAY_S = float(os.environ.get("BATCHGEN_STORE_ACTIVATION_DELAY_S", "5"))
 CLOCK_SKEW_ENV = "BATCHGEN_STORE_CLOCK_SKEW_S"
-
-# version -> function(layout) upgrading a data dir written at that version to version + 1.
-# Version 1 is the first released layout; there is nothing older to migrate yet.
-MIGRATIONS: dict[int, object] = {}
 
 
 def _q(path: str) -> str:
@@ -104,8 +100,11 @@ WHERE (a._bg_part IS NULL AND NOT s._bg_compacted) OR a._bg_file = s._bg_file
 
 
 def _winners_sql() -> str:
+    """The commit that counts per shard: the first, among those no revocation (`lost`) names."""
     return f"""
-SELECT * FROM _bg.scan_commits WHERE committed_ts <= {_now_s()}
+SELECT * EXCLUDE (lost) FROM _bg.scan_commits
+WHERE committed_ts <= {_now_s()} AND lost IS NULL AND _bg_attempt_id NOT IN (
+    SELECT _bg_attempt_id FROM _bg.scan_commits WHERE lost IS NOT NULL AND committed_ts <= {_now_s()})
 QUALIFY row_number() OVER (PARTITION BY job_id, shard_id ORDER BY committed_ts, _bg_attempt_id) = 1
 """
 
@@ -281,8 +280,8 @@ def unreadable_part_message(duckdb_error: str) -> str:
     return f"{first} ({QUARANTINE_HINT})"
 
 
-QUARANTINE_HINT = ("a part file of the store is corrupt or missing: `batchgen store check --quarantine` "
-                   "moves bad files aside and says what they held")
+QUARANTINE_HINT = ("a part file of the store is corrupt or missing: `batchgen store check --repair` "
+                   "moves bad files aside and marks the shards whose rows they held for re-run")
 
 
 def _unreadable_sql(layout: Layout, kind: str, message: str, relative_to: Path | None = None) -> str:
@@ -301,8 +300,6 @@ def _unreadable_sql(layout: Layout, kind: str, message: str, relative_to: Path |
 
 def resolve_data_dir(data_dir: str | os.PathLike | None) -> str | os.PathLike:
     """data_dir, else $BATCHGEN_DATA_DIR, else ./data."""
-    from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR
-
     return data_dir if data_dir is not None else os.environ.get(DATA_DIR_ENV, DEFAULT_DATA_DIR)
 
 
@@ -375,9 +372,9 @@ def write_catalog(data_dir: str | os.PathLike) -> bool:
         # DuckDB binds a view when it is created: resolve the relative paths against the data dir
         con.execute(f"SET file_search_path = {_q(str(layout.root))}")
         create_views(con, layout, relative_to=layout.root)
+        # no data dir in it: the catalog of a copied data dir is the copy's (paths above are relative)
         con.execute(f"CREATE OR REPLACE TABLE {INTERNAL_SCHEMA}.meta AS "
-                    "SELECT ? AS schema_version, ? AS data_dir, ? AS written_at",
-                    [SCHEMA_VERSION, str(layout.root), time.time()])
+                    "SELECT ? AS schema_version, ? AS written_at", [SCHEMA_VERSION, time.time()])
         con.execute("DROP TABLE IF EXISTS batchgen_meta")
         con.execute("CHECKPOINT")
     finally:
@@ -389,24 +386,3 @@ def _stale_objects(con: duckdb.DuckDBPyConnection) -> list[str]:
     return [r[0] for r in con.execute(
         "SELECT view_name FROM duckdb_views() WHERE schema_name = 'main' AND NOT internal "
         "AND starts_with(view_name, '_')").fetchall()]
-
-
-def migrate(layout: Layout, version: int) -> None:
-    """Bring a data dir written at schema `version` up to SCHEMA_VERSION, or say what to do."""
-    if version > SCHEMA_VERSION:
-        raise StoreError(
-            f"data dir {layout.root} was written by a newer batchgen (store schema v{version}; this one "
-            f"reads v{SCHEMA_VERSION}): upgrade batchgen, or point --data-dir elsewhere"
-        )
-    while version < SCHEMA_VERSION:
-        step = MIGRATIONS.get(version)
-        if step is None:
-            raise StoreError(
-                f"data dir {layout.root} has store schema v{version} and this batchgen (v{SCHEMA_VERSION}) "
-                f"has no migration from it: read it with the batchgen release that wrote it and export what "
-                f"you need, or start a new data dir"
-            )
-        step(layout)  # type: ignore[operator]
-        version += 1
-        body = json.dumps({"schema_version": version}).encode()
-        write_atomic(layout.version_file, body, layout.tmp)

@@ -1,4 +1,5 @@
-"""`batchgen store check`: find part files that cannot be read, and move them aside.
+"""The store's half of `batchgen store check` (jobs.repair): part files that cannot be read, and
+committed rows that are gone.
 
 `check_store(data_dir)` reads every Parquet file under `store/tables/` (its footer, and with
 `deep=True` every row group) and says, for each one that fails, what its rows were:
@@ -16,7 +17,9 @@ It also compares each committed shard's `num_outputs` with the output rows the v
 shard with fewer has **missing rows** (a part file gone or unreadable).
 
 `quarantine(data_dir, bad)` moves the bad files (and tombstones) to `DATA_DIR/quarantine/<time>/`
-under their path relative to the data dir, so nothing is deleted and the views read the rest.
+under their path relative to the data dir, so nothing is deleted and the views read the rest. Marking
+the shards whose rows were lost for re-run is the jobs layer's (its shard ledger writes both the
+store's revocation and the lease): jobs.repair.
 """
 
 from __future__ import annotations
@@ -62,9 +65,12 @@ class MissingRows:
     committed: int  # num_outputs of its commit
     found: int  # output rows the views find for its committed attempt
 
+    @property
+    def what(self) -> str:
+        return f"{self.committed - self.found} of {self.committed} committed output rows missing"
+
     def describe(self) -> str:
-        return (f"job {self.job_id} shard {self.shard_id}: {self.committed - self.found} of {self.committed} "
-                f"committed output rows missing (lost: re-run the shard to produce them again)")
+        return f"job {self.job_id} shard {self.shard_id}: {self.what} (lost: the shard must run again)"
 
 
 @dataclass
@@ -84,7 +90,7 @@ def check_store(data_dir: str | os.PathLike, *, deep: bool = True) -> CheckRepor
     errors = {path: err for path in files if (err := _unreadable(path, deep)) is not None}
     bad = [_classify(layout, path, err, errors) for path, err in errors.items()]
     outputs_bad = any(b.kind == "outputs" for b in bad)
-    missing = [] if outputs_bad else _missing_rows(layout)
+    missing = [] if outputs_bad else missing_rows(layout.root)
     return CheckReport(bad, missing, len(files))
 
 
@@ -120,7 +126,7 @@ def _classify(layout: Layout, path: Path, error: str, errors: dict[Path, str]) -
             return BadFile(path, kind, group, error, "re-derivable", f"its rows are in {holder.name}")
         return BadFile(path, kind, group, error, "lost", f"{kind} rows of {group} never compacted")
     tomb = _tombstone_of(layout, kind, group, path.name)
-    inputs = [Path(p) for p in json.loads(tomb.read_text())["files"]] if tomb else []
+    inputs = [layout.file(p) for p in json.loads(tomb.read_text())["files"]] if tomb else []
     gone = [p for p in inputs if not p.exists() or p in errors]
     if tomb is not None and inputs and not gone:
         return BadFile(path, kind, group, error, "re-derivable",
@@ -164,10 +170,12 @@ ORDER BY w.job_id, w.shard_id
 """
 
 
-def _missing_rows(layout: Layout) -> list[MissingRows]:
+def missing_rows(data_dir: str | os.PathLike) -> list[MissingRows]:
+    """Committed shards whose output rows the views do not all find ([] while outputs or commits
+    cannot be read at all)."""
     from jobs.store.catalog import connect_reporting
 
-    con, broken = connect_reporting(layout.root)
+    con, broken = connect_reporting(data_dir)
     try:
         if "commits" in broken or "outputs" in broken:
             return []

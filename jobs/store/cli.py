@@ -1,4 +1,4 @@
-"""`batchgen sql "QUERY"`: read-only SQL over the store's views; `batchgen store check`: bad part files.
+"""`batchgen sql "QUERY"`: read-only SQL over the store's views.
 
 The query runs in a process of its own (`jobs.store.sqlsandbox.run_sandboxed`) on a hardened
 in-memory connection: one SELECT only, no file access beyond the views, its address space capped,
@@ -17,7 +17,7 @@ import uuid
 import click
 
 from jobs.store.catalog import resolve_data_dir
-from jobs.store.layout import DATA_DIR_ENV, Layout, StoreError
+from jobs.store.layout import DATA_DIR_ENV, StoreError
 from jobs.store.queries import README_EXAMPLES
 from jobs.store.sqlsandbox import (
     DEFAULT_ADDRESS_SPACE_BYTES,
@@ -116,35 +116,3 @@ def _print_table(result: QueryResult, max_width: int = 60) -> None:
         click.echo("| " + " | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) + " |")
     click.echo(line)
     click.echo(f"({len(result.rows)} row{'s' if len(result.rows) != 1 else ''})")
-
-
-@click.group(name="store")
-def store() -> None:
-    """Look after the data dir's store."""
-
-
-@store.command(name="check")
-@click.option("--data-dir", type=click.Path(file_okay=False), default=None, envvar=DATA_DIR_ENV,
-              help=f"data dir (default: ${DATA_DIR_ENV} or ./data)")
-@click.option("--quarantine", "move", is_flag=True,
-              help="move the unreadable files aside, under DATA_DIR/quarantine/<time>/")
-@click.option("--quick", is_flag=True, help="read only each file's footer, not every row group")
-def check(data_dir: str | None, move: bool, quick: bool) -> None:
-    """List part files that cannot be read and what they held (re-derivable or lost), and committed
-    shards missing output rows. Exits 1 when something is wrong and was not quarantined."""
-    from jobs.store.check import check_store, quarantine
-
-    try:
-        report = check_store(resolve_data_dir(data_dir), deep=not quick)
-    except StoreError as exc:
-        raise click.ClickException(str(exc)) from exc
-    root = Layout.of(resolve_data_dir(data_dir)).root
-    click.echo(f"{report.files_checked} part files checked, {len(report.bad)} unreadable")
-    for item in report.bad:
-        click.echo("  " + item.describe(root))
-    for item in report.missing:
-        click.echo("  " + item.describe())
-    if report.bad and move:
-        click.echo(f"moved {len(report.bad)} files to {quarantine(root, report.bad)}")
-    elif not report.healthy:
-        raise SystemExit(1)

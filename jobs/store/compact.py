@@ -7,7 +7,8 @@ one worker (iterations) or one sweep. Compacting a group:
 2. merges every raw part and earlier compacted file of the group into one Parquet file, each row
    keeping its `_bg_part`, written under a temporary name and renamed into
    `compacted/<group>/c<16 digits>~<uid>.parquet` (newer names sort first);
-3. records the merged inputs in a tombstone under `store/gc/`, and deletes nothing.
+3. records the merged inputs (relative to the data dir) in a tombstone under `store/gc/`, and deletes
+   nothing.
 
 Readers stay correct at every instant (catalog.py explains the rule): a compacted file counts only
 `ACTIVATION_DELAY_S` after its rename, and then its rows replace those of the parts it merged; until
@@ -145,7 +146,7 @@ def collect_garbage(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S) ->
             continue
         with _group_lock(layout, info["kind"], info["group"]) as locked:
             if locked:
-                deleted += _delete(Path(p) for p in info["files"])
+                deleted += _delete(layout.file(p) for p in info["files"])
                 tomb.unlink()
     stale = [p for p in layout.tmp.iterdir() if now - _mtime(p, now) > TMP_MAX_AGE_S]
     return deleted + _delete(stale)
@@ -182,16 +183,16 @@ def _inputs(layout: Layout, kind: str, group: str, min_age_s: float) -> list[Pat
     """The group's files not yet merged by an earlier compaction (those wait for garbage collection)."""
     now = time.time()
     merged = _merged_already(layout, kind, group)
-    compacted = sorted(p for p in layout.compacted_dir(kind, group).glob("*.parquet") if str(p) not in merged)
+    compacted = sorted(p for p in layout.compacted_dir(kind, group).glob("*.parquet") if p not in merged)
     raw = sorted(p for p in layout.raw_dir(kind, group).glob("*.parquet")
-                 if str(p) not in merged and now - _mtime(p, now) >= min_age_s)
+                 if p not in merged and now - _mtime(p, now) >= min_age_s)
     return compacted + raw
 
 
-def _merged_already(layout: Layout, kind: str, group: str) -> set[str]:
-    files: set[str] = set()
+def _merged_already(layout: Layout, kind: str, group: str) -> set[Path]:
+    files: set[Path] = set()
     for tomb in layout.gc.glob(f"{kind}~{group}~*.json"):
-        files.update(json.loads(tomb.read_text())["files"])
+        files.update(layout.file(p) for p in json.loads(tomb.read_text())["files"])
     return files
 
 
@@ -225,7 +226,8 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> int:
 
 
 def _write_tombstone(layout: Layout, kind: str, group: str, inputs: list[Path]) -> None:
-    body = {"kind": kind, "group": group, "superseded_at": time.time(), "files": [str(p) for p in inputs]}
+    body = {"kind": kind, "group": group, "superseded_at": time.time(),
+            "files": [layout.relative(p) for p in inputs]}
     write_atomic(layout.gc / f"{kind}~{group}~{new_uid()}.json", json.dumps(body).encode(), layout.tmp)
 
 

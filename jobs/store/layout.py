@@ -20,8 +20,9 @@ import pyarrow.parquet as pq
 
 from jobs.store.schemas import KIND_SCHEMAS
 
-# Bump when the part schemas or their meaning change; add a migration to MIGRATIONS in catalog.py.
-SCHEMA_VERSION = 1
+# Bump when the part schemas or their meaning change; add a migration to MIGRATIONS below.
+# v2: commits gain `lost` (a row that revokes a commit whose rows were lost; null in a commit).
+SCHEMA_VERSION = 2
 CATALOG_NAME = "batchgen.duckdb"
 STORE_DIR = "store"
 DEFAULT_DATA_DIR = "./data"
@@ -98,6 +99,20 @@ class Layout:
     def compacted_dir(self, kind: str, group: str) -> Path:
         return self.kind_dir(kind) / "compacted" / group
 
+    def relative(self, path: Path) -> str:
+        """How a file of the data dir is named in files the store writes (tombstones): relative to
+        DATA_DIR, so a copied or moved data dir names its own files, never the original's."""
+        return path.relative_to(self.root).as_posix()
+
+    def file(self, name: str) -> Path:
+        """The file a `relative` name stands for. An absolute name (written by batchgen before data
+        dirs were portable) is taken from its `store/` on, under this data dir."""
+        if not os.path.isabs(name):
+            return self.root / name
+        parts = Path(name).parts
+        tail = max((i for i, p in enumerate(parts) if p == STORE_DIR), default=None)
+        return self.root.joinpath(*parts[tail:]) if tail is not None else Path(name)
+
     def glob(self, kind: str) -> str:
         """One glob over a kind's schema file, raw parts and compacted files ('compacted' < 'raw')."""
         return str(self.kind_dir(kind) / "**" / "*.parquet")
@@ -152,8 +167,6 @@ def init_data_dir(data_dir: str | os.PathLike, *, create: bool = True) -> Layout
         layout.root.mkdir(parents=True, exist_ok=True)
     version = read_version(layout)
     if version is not None and version != SCHEMA_VERSION:
-        from jobs.store.catalog import migrate  # the view definitions own the migrations
-
         migrate(layout, version)
     _make_dirs(layout)
     if version is None:
@@ -191,3 +204,35 @@ def _schema_of(path: Path) -> pa.Schema | None:
         return pq.read_schema(path)
     except (pa.ArrowException, OSError):
         return None
+
+
+# ---------------------------------------------------------------- migrations
+
+
+def _nothing_to_rewrite(layout: Layout) -> None:
+    """A migration whose new columns are nullable: parts written before read them as null."""
+
+
+# version -> function(layout) upgrading a data dir written at that version to version + 1.
+MIGRATIONS: dict[int, object] = {1: _nothing_to_rewrite}
+
+
+def migrate(layout: Layout, version: int) -> None:
+    """Bring a data dir written at schema `version` up to SCHEMA_VERSION, or say what to do."""
+    if version > SCHEMA_VERSION:
+        raise StoreError(
+            f"data dir {layout.root} was written by a newer batchgen (store schema v{version}; this one "
+            f"reads v{SCHEMA_VERSION}): upgrade batchgen, or point --data-dir elsewhere"
+        )
+    while version < SCHEMA_VERSION:
+        step = MIGRATIONS.get(version)
+        if step is None:
+            raise StoreError(
+                f"data dir {layout.root} has store schema v{version} and this batchgen (v{SCHEMA_VERSION}) "
+                f"has no migration from it: read it with the batchgen release that wrote it and export what "
+                f"you need, or start a new data dir"
+            )
+        step(layout)  # type: ignore[operator]
+        version += 1
+        body = json.dumps({"schema_version": version}).encode()
+        write_atomic(layout.version_file, body, layout.tmp)

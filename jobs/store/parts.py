@@ -69,6 +69,7 @@ Rows = Sequence[Mapping] | pa.Table
 
 FLUSH_INTERVAL_S = 2.0
 MAX_BUFFERED_ROWS = 8192
+HELD_ROWS_FACTOR = 4  # a telemetry buffer whose writes fail holds at most this many times max_rows
 
 
 # ---------------------------------------------------------------- tables from rows
@@ -387,7 +388,9 @@ class TelemetryBuffer:
     Append every step's `IterationStats` (or its `as_row()`); the buffer writes a part when
     `flush_interval_s` has passed since the last write (checked on append), when `max_rows` rows are
     buffered, and on `flush()` / `close()`. Iteration rows are not tied to a shard attempt (one step
-    serves many shards), so they are visible as soon as they are written.
+    serves many shards), so they are visible as soon as they are written. A write that fails keeps
+    its rows for the next one; while writes keep failing (a full disk) the buffer holds at most
+    HELD_ROWS_FACTOR x max_rows rows, the newest.
     """
 
     def __init__(self, store: Store, worker_id: str, *, flush_interval_s: float = FLUSH_INTERVAL_S,
@@ -401,12 +404,16 @@ class TelemetryBuffer:
         self._rows: list[dict] = []
         self._last_flush = time.monotonic()
         self.rows_written = 0
+        self.rows_dropped = 0  # the oldest rows given up while writes kept failing (a full disk)
 
     def append(self, stats: IterationStats | Mapping) -> None:
         row = stats.as_row() if isinstance(stats, IterationStats) else dict(stats)
         if not row.get("worker_id"):
             row["worker_id"] = self.worker_id
         self._rows.append(row)
+        if len(self._rows) >= HELD_ROWS_FACTOR * self.max_rows:  # flushes keep failing: keep the newest
+            self.rows_dropped += len(self._rows) - self.max_rows
+            del self._rows[: len(self._rows) - self.max_rows]
         if len(self._rows) >= self.max_rows or time.monotonic() - self._last_flush >= self.flush_interval_s:
             self.flush()
 
@@ -502,11 +509,23 @@ class Store:
         """
         rows = [r for r in _read_commits(self.layout, check_id("job_id", job_id), shard_id)
                 if r["shard_id"] == shard_id]
+        revoked = {r[ATTEMPT_ID_COLUMN] for r in rows if r.get("lost") is not None}
+        rows = [r for r in rows if r.get("lost") is None and r[ATTEMPT_ID_COLUMN] not in revoked]
         if not rows:
             return None
         best = min(rows, key=lambda r: (r["committed_ts"], r[ATTEMPT_ID_COLUMN]))
         fields = {k: best[k] for k in CommitRecord.__dataclass_fields__ if k in best}
         return CommitRecord(**fields, attempt_id=best[ATTEMPT_ID_COLUMN])
+
+    def revoke_commit(self, record: CommitRecord, reason: str) -> None:
+        """Make a shard's commit no longer count (its rows were lost): the shard is then not committed,
+        and its next attempt's commit counts. Written under the shard's name prefix, so `committed`
+        finds it beside the commit."""
+        row = _renamed(schemas.record_row(CommitRecord(
+            record.job_id, record.shard_id, record.attempt, record.attempt_id, record.worker_id, time.time(),
+            lost=reason or "lost")))
+        prefix = f"{record.job_id}~s{record.shard_id:06d}~a{record.attempt:03d}"
+        self._write_records("commits", record.job_id, prefix, [row])
 
     def _write_records(self, kind: str, group: str, prefix: str, rows: list[dict]) -> str:
         if kind == "job_events":

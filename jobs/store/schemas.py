@@ -103,7 +103,12 @@ class SweepRecord:
 
 @dataclass
 class CommitRecord:
-    """The row that makes a shard attempt count (written last, by `ShardAttempt.commit`)."""
+    """The row that makes a shard attempt count (written last, by `ShardAttempt.commit`).
+
+    A row with `lost` set is a revocation instead (`Store.revoke_commit`): the commit of the same
+    attempt id no longer counts, because rows it made count were lost (a part file gone or damaged).
+    The shard then has no winning commit until another attempt commits.
+    """
 
     job_id: str
     shard_id: int
@@ -116,6 +121,7 @@ class CommitRecord:
     prompt_tokens: int = 0  # sums over the attempt's output rows
     output_tokens: int = 0
     parts: list[str] = field(default_factory=list)  # names of the attempt's data parts
+    lost: str | None = None  # a revocation: why the commit of this attempt id no longer counts
 
 
 def _schema(*cols: tuple[str, pa.DataType]) -> pa.Schema:
@@ -168,7 +174,7 @@ ITERATIONS = _schema(*_stats_columns(IterationStats()), (PART_COLUMN, STR))
 COMMITS = _schema(
     ("job_id", STR), ("shard_id", I64), ("attempt", I64), (ATTEMPT_ID_COLUMN, STR), ("worker_id", STR),
     ("committed_ts", F64), ("num_outputs", I64), ("num_request_rows", I64), ("prompt_tokens", I64),
-    ("output_tokens", I64), ("parts", pa.list_(STR)), (PART_COLUMN, STR),
+    ("output_tokens", I64), ("parts", pa.list_(STR)), ("lost", STR), (PART_COLUMN, STR),
 )
 
 SHARD_EVENTS_SCHEMA = _schema(

@@ -116,7 +116,7 @@ def _completed_job(runtime, tmp_path, **columns):
     broker = resolve_broker(runtime.data_dir, embedded=True)
     m = prepare_job(_request(runtime.data_dir, src), broker)
     publish_job(m, broker)
-    outcomes = [process_shard(ShardTask(m.job_id, s, m.shard(s).path, m.data_dir), runtime)
+    outcomes = [process_shard(ShardTask(m.job_id, s, m.data_dir), runtime)
                 for s in range(len(m.shards))]
     assert [o.result for o in outcomes] == ["committed"] * len(m.shards)
     return m

@@ -111,7 +111,7 @@ def test_retry_republishes_stuck_shards_and_duplicates_are_harmless(tmp_path, mo
     again = CliRunner().invoke(retry, [m.job_id])
     assert "no failed or stuck shards to retry" in again.output  # their messages are live now
     for _ in range(2):  # two more copies of shard 1's message
-        publish_shard(settings, m.job_id, 1, m.shard(1).path, m.data_dir)
+        publish_shard(settings, m.job_id, 1)
     with workers(data_dir, settings, tmp_path, ["w1"], "--max-num-seqs", "4", "--concurrency", "2") as ws:
         wait_for(lambda: job_progress(m).finished and not live_shard_messages(settings), 180, "the job",
                  on_timeout=lambda: logs(ws))

@@ -79,7 +79,7 @@ def runtime(tmp_path_factory):
 ])
 def test_one_bad_sampling_value_is_one_error_row(runtime, tmp_path, column, value, reason):
     m = _job(runtime.data_dir, _input(tmp_path / "in.parquet", column, value))
-    outcomes = [process_shard(ShardTask(m.job_id, s, m.shard(s).path, m.data_dir), runtime) for s in range(4)]
+    outcomes = [process_shard(ShardTask(m.job_id, s, m.data_dir), runtime) for s in range(4)]
     assert [o.result for o in outcomes] == ["committed"] * 4
     assert sum(o.rows for o in outcomes) == NUM_ROWS
     _assert_one_error_row(runtime.data_dir, m.job_id, reason)
@@ -100,7 +100,7 @@ def test_a_row_that_breaks_the_engine_step_fails_alone(runtime, tmp_path):
     m = _job(runtime.data_dir, _input(tmp_path / "in.parquet", prompt_of_bad="row 7 ~ breaks kernels"))
     model.forward = forward
     try:
-        outcomes = [process_shard(ShardTask(m.job_id, s, m.shard(s).path, m.data_dir), runtime)
+        outcomes = [process_shard(ShardTask(m.job_id, s, m.data_dir), runtime)
                     for s in range(4)]
     finally:
         model.forward = real

@@ -62,7 +62,7 @@ def served(tmp_path_factory):
         runtime = WorkerRuntime(CONFIG, WORKER, data_dir, metrics=metrics, record=record).start()
         try:
             # engine limits small enough that requests wait and KV blocks run out (preemptions)
-            outcomes = [process_shard(ShardTask(manifest.job_id, s, manifest.shard(s).path, str(data_dir)),
+            outcomes = [process_shard(ShardTask(manifest.job_id, s, str(data_dir)),
                                       runtime) for s in range(2)]
             assert [o.result for o in outcomes] == ["committed", "committed"]
             yield {"data_dir": data_dir, "url": f"http://127.0.0.1:{port}/metrics", "runtime": runtime,

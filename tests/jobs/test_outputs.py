@@ -60,7 +60,7 @@ def _parquet(tmp_path, name="in.parquet", **columns) -> Path:
 
 
 def _run(m, runtime, *shards) -> list:
-    return [process_shard(ShardTask(m.job_id, s, m.shard(s).path, m.data_dir), runtime)
+    return [process_shard(ShardTask(m.job_id, s, m.data_dir), runtime)
             for s in (shards or range(len(m.shards)))]
 
 
@@ -292,7 +292,7 @@ def test_hand_back_ends_the_attempt_and_queues_the_shard_without_a_retry(data_di
         engine, step = rt.loop.engine, rt.loop.engine.step
         engine.step = lambda: (time.sleep(0.003), step())[1]  # pace the tiny model: seconds, not ms
         result = {}
-        task = ShardTask(m.job_id, 0, m.shard(0).path, m.data_dir)
+        task = ShardTask(m.job_id, 0, m.data_dir)
         worker = threading.Thread(target=lambda: result.update(out=process_shard(task, rt)))
         start = rt.iterations
         worker.start()
@@ -300,7 +300,7 @@ def test_hand_back_ends_the_attempt_and_queues_the_shard_without_a_retry(data_di
         rt.hand_back()
         worker.join(60)
         assert result["out"].result == "handed_back"
-        late = process_shard(ShardTask(m.job_id, 0, m.shard(0).path, m.data_dir), rt)
+        late = process_shard(ShardTask(m.job_id, 0, m.data_dir), rt)
         assert late.result == "handed_back", "a delivery after the interrupt is handed back unstarted"
     leases = ShardLeases(JobPaths.of(m.data_dir, m.job_id).leases)
     assert leases.view(0, 1).state.state == "handed_back"

@@ -41,7 +41,7 @@ def _job(data_dir, tmp_path, n, shard_size, **kw):
 
 
 def _task(m, shard_id, retries=0):
-    return ShardTask(m.job_id, shard_id, m.shard(shard_id).path, m.data_dir, retries)
+    return ShardTask(m.job_id, shard_id, m.data_dir, retries)
 
 
 def test_shard_commits_greedy_outputs_once(runtime, data_dir, tmp_path):

@@ -156,7 +156,7 @@ def test_tombstones_list_what_was_merged(tmp_path):
     compact_group(store.layout, "outputs", "job-t")
     [tomb] = store.layout.gc.glob("outputs~job-t~*.json")
     info = json.loads(tomb.read_text())
-    raw = [str(p) for p in _files(store.layout, "outputs", "job-t", "raw")]
+    raw = [store.layout.relative(p) for p in _files(store.layout, "outputs", "job-t", "raw")]  # relative
     assert info["kind"] == "outputs" and sorted(info["files"]) == raw
 
 
