@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.families import ModelFileError, family_of, read_model_args
+from engine.families import ModelFileError, check_weights, family_of, read_model_args
 from engine.families.layout import TensorNames
 from engine.model_args import ModelArgs
 from engine.tokenizer import Tokenizer
@@ -92,8 +92,6 @@ class GGUFFile:
 def read_gguf(path: Path) -> GGUFFile:
     """Everything of a GGUF file but its tensors' data, checked: header, architecture, config, tensor
     names, shapes and types (ModelFileError naming the file for the first thing wrong)."""
-    from engine.model_files import check_weights
-
     reader = open_gguf(path)
     metadata = gguf_metadata(reader, path)
     config = gguf_config(metadata, reader, path)

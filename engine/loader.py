@@ -22,13 +22,12 @@ import numpy as np
 import torch
 
 from engine import gguf_file
-from engine.families import ModelFileError, layout, read_model_args
+from engine.families import ModelFileError, check_weights, layout, read_model_args
 from engine.gguf_file import unpermute_rope_rows
 from engine.model_args import ModelArgs
 from engine.model_files import (
     BYTE_TOKENIZER_CLASS,
     ModelLocation,
-    check_weights,
     read_config_file,
     read_json_if_present,
     read_tokenizer,

@@ -10,19 +10,15 @@ starts on it. engine/loader.py reads the same files, then the data.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
-from engine.families import ModelFileError, layout, read_model_args
-from engine.model_args import ModelArgs
+from engine.families import ModelFileError, check_weights, layout, read_model_args
 from engine.safetensors_file import WEIGHT_DTYPES, read_index
 from engine.tokenizer import BaseTokenizer, ByteTokenizer, Tokenizer
 
 # A model marker in tokenizer_config.json: this directory's tokenizer is the ByteTokenizer
 BYTE_TOKENIZER_CLASS = "batchgen.ByteTokenizer"
-# RoPE frequencies some older checkpoints store; they are recomputed from the config
-IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 class ModelLocation(Protocol):
@@ -47,7 +43,7 @@ def check_model_files(resolved: ModelLocation) -> None:
         read_tokenizer(directory)
         read_json_if_present(directory / "generation_config.json")
     elif resolved.kind == "gguf":
-        from engine import gguf_file
+        from engine import gguf_file  # the gguf package is imported only for a GGUF file
 
         gguf_file.check(Path(resolved.path))
 
@@ -82,22 +78,3 @@ def read_tokenizer(directory: Path) -> BaseTokenizer:
     except (FileNotFoundError, ValueError) as exc:
         raise ModelFileError(str(exc)) from None
 
-
-def check_weights(args: ModelArgs, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
-    """Every tensor the args imply present with its shape, and nothing else (a tied lm_head's copy and
-    stored rotary frequencies aside): the config and the tensors agree."""
-    expected = {piece.source: piece.shape for piece in layout(args)}
-    missing = [name for name in expected if name not in shapes]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ModelFileError(f"{source}: missing tensor(s) {', '.join(missing[:3])}{more}")
-    for name, shape in expected.items():
-        if tuple(shapes[name]) != shape:
-            raise ModelFileError(f"{source}: tensor {name} has shape {tuple(shapes[name])}, "
-                                 f"config.json implies {shape}")
-    ignored = {"lm_head.weight"} if args.tie_word_embeddings else set()
-    extra = sorted(name for name in shapes if name not in expected and name not in ignored
-                   and not name.endswith(IGNORED_SUFFIXES))
-    if extra:
-        raise ModelFileError(f"{source}: unexpected tensor(s) {', '.join(extra[:3])} for a {args.family} "
-                             "checkpoint with this config.json")

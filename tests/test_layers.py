@@ -1,4 +1,5 @@
-"""Imports run one way (docs/ARCHITECTURE.md): kernels <- engine <- jobs.store <- jobs <- dashboard.
+"""Imports run one way (docs/ARCHITECTURE.md): kernels <- engine <- jobs.store <- jobs <- dashboard, with
+the benchmarks (the lab) on top of them all; and no two modules import each other, however indirectly.
 
 Parsed from the source, not imported: every `import` / `from ... import` in the four packages (at any
 depth, lazy ones inside functions included) is checked against what its layer may use. `engine.stats`
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("kernels", "engine", "jobs", "dashboard")
+PACKAGES = ("kernels", "engine", "jobs", "dashboard", "benchmarks")
 
 # layer -> (what it may import: exact module names or prefixes ending in '.')
 ALLOWED = {
@@ -23,6 +24,7 @@ ALLOWED = {
     "jobs.store": ("jobs.store.", "engine.stats"),
     "jobs": ("kernels.", "engine.", "jobs.", "jobs.store"),
     "dashboard": ("dashboard.", "jobs.store"),
+    "benchmarks": ("kernels.", "engine.", "jobs.", "jobs.store", "dashboard."),
 }
 
 
@@ -55,8 +57,8 @@ def allowed(source_layer: str, target: str) -> bool:
     if layer_of(target) == source_layer:
         return True  # within a layer, anything (the store's own modules included)
     rules = ALLOWED[source_layer]
-    if target.startswith("jobs.store."):
-        return False  # outside the store: its public API only
+    if target.startswith("jobs.store.") and source_layer != "benchmarks":
+        return False  # outside the store (and the lab, which measures its parts): its public API only
     return any(target in (r, r.rstrip(".")) or (r.endswith(".") and target.startswith(r)) for r in rules)
 
 
@@ -73,6 +75,81 @@ def violations(root: Path = ROOT) -> list[str]:
 
 def test_imports_run_one_way():
     assert violations() == []
+
+
+def imported_names(path: Path) -> list[str]:
+    """Every dotted name a file imports (lazy imports included): `from a.b import c` gives `a.b.c`
+    (a module `a.b.c`, or a name inside `a.b`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [f"{node.module}.{alias.name}" for alias in node.names]
+    return [m for m in found if m.split(".")[0] in PACKAGES]
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """module -> the modules of ours it imports (lazy imports inside functions included), each import
+    taken as the longest module its dotted name starts with."""
+    modules = {module_name(p, root): p
+               for package in PACKAGES for p in sorted((root / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for target in imported_names(path):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted: every import loop."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    loops: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                loops.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(loops)
+
+
+def test_no_import_loops():
+    """A package's `__init__` re-exporting its modules is not a loop unless a module imports it back."""
+    assert import_loops(import_graph()) == []
+
+
+def test_a_planted_loop_is_caught(tmp_path):
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "a.py").write_text("from engine.b import f\n")
+    (tmp_path / "engine" / "b.py").write_text("def f():\n    from engine.c import g\n")
+    (tmp_path / "engine" / "c.py").write_text("import engine.a\n")
+    (tmp_path / "engine" / "d.py").write_text("from engine.a import x\n")
+    assert import_loops(import_graph(tmp_path)) == [["engine.a", "engine.b", "engine.c"]]
 
 
 @pytest.mark.parametrize(("source", "target", "ok"), [

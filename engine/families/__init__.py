@@ -10,6 +10,7 @@ submission read configs without it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.families import gemma3, llama, mistral, mixtral, phi3, qwen2, qwen3, qwen3_moe
@@ -18,8 +19,8 @@ from engine.families.config import ConfigReader, ModelFileError
 from engine.families.layout import Piece, checkpoint_layout
 from engine.model_args import ModelArgs
 
-__all__ = ["FAMILIES", "Family", "ModelFileError", "Piece", "ReadConfig", "family_of", "layout",
-           "read_config", "read_model_args"]
+__all__ = ["FAMILIES", "Family", "ModelFileError", "Piece", "ReadConfig", "check_weights", "family_of",
+           "layout", "read_config", "read_model_args"]
 
 log = logging.getLogger(__name__)
 
@@ -76,3 +77,27 @@ def read_model_args(config: dict, source: str = "config.json") -> ModelArgs:
 def layout(args: ModelArgs) -> list[Piece]:
     """The checkpoint tensors of a model with these args (engine.families.layout)."""
     return checkpoint_layout(args, _BY_MODEL_TYPE[args.family].names)
+
+
+# RoPE frequencies some older checkpoints store; they are recomputed from the config
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def check_weights(args: ModelArgs, shapes: Mapping[str, tuple[int, ...]], source: str) -> None:
+    """Every tensor the args imply present with its shape, and nothing else (a tied lm_head's copy and
+    stored rotary frequencies aside): the config and the tensors agree."""
+    expected = {piece.source: piece.shape for piece in layout(args)}
+    missing = [name for name in expected if name not in shapes]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelFileError(f"{source}: missing tensor(s) {', '.join(missing[:3])}{more}")
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            raise ModelFileError(f"{source}: tensor {name} has shape {tuple(shapes[name])}, "
+                                 f"config.json implies {shape}")
+    ignored = {"lm_head.weight"} if args.tie_word_embeddings else set()
+    extra = sorted(name for name in shapes if name not in expected and name not in ignored
+                   and not name.endswith(IGNORED_SUFFIXES))
+    if extra:
+        raise ModelFileError(f"{source}: unexpected tensor(s) {', '.join(extra[:3])} for a {args.family} "
+                             "checkpoint with this config.json")
