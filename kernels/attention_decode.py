@@ -247,32 +247,33 @@ def plan_decode_groups(
     context_lens_cpu: list[int], block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
 ) -> list[DecodeGroup]:
     """Split decodes into groups whose contexts are within 1.5x of the group's longest, so that the
-    padded gather wastes little; build each group's gather indices and mask once per step."""
+    padded gather wastes little; build each group's gather indices and mask once per step.
+
+    The groups are runs of the decodes sorted by length, longest first. Their indices are slices of
+    the same (stable) sort done on the device lengths, so no index list is uploaded from the host
+    (a blocking copy: on a GPU, a sync)."""
     order = sorted(range(len(context_lens_cpu)), key=context_lens_cpu.__getitem__, reverse=True)
-    groups: list[list[int]] = []
-    for seq in order:
-        top = context_lens_cpu[groups[-1][0]] if groups else 0
-        if groups and (context_lens_cpu[seq] * 1.5 >= top or top - context_lens_cpu[seq] < 128):
-            groups[-1].append(seq)
-        else:
-            groups.append([seq])
-    if len(groups) == 1:
+    starts: list[int] = []  # where each group begins in `order`
+    for at, seq in enumerate(order):
+        top = context_lens_cpu[order[starts[-1]]] if starts else 0
+        if not starts or not (context_lens_cpu[seq] * 1.5 >= top or top - context_lens_cpu[seq] < 128):
+            starts.append(at)
+    if len(starts) == 1:
         return [_decode_group(None, context_lens_cpu[order[0]], block_tables, context_lens, block_size)]
-    return [
-        _decode_group(seqs, context_lens_cpu[seqs[0]], block_tables, context_lens, block_size)
-        for seqs in groups
-    ]
+    device_order = torch.argsort(context_lens[: len(order)], descending=True, stable=True)  # == order
+    ends = starts[1:] + [len(order)]
+    return [_decode_group(device_order[a:b], context_lens_cpu[order[a]], block_tables, context_lens,
+                          block_size) for a, b in zip(starts, ends, strict=True)]
 
 
 def _decode_group(
-    seqs: list[int] | None,
+    index: torch.Tensor | None,
     longest: int,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     block_size: int,
 ) -> DecodeGroup:
-    """One group's gather indices and mask; seqs None means every decode, in order."""
-    index = None if seqs is None else torch.tensor(seqs, dtype=torch.int64, device=block_tables.device)
+    """One group's gather indices and mask; index (n,) int64 of its decodes, None for every decode."""
     tables = block_tables if index is None else block_tables.index_select(0, index)
     lens = context_lens if index is None else context_lens.index_select(0, index)
     num_blocks = -(-longest // block_size)

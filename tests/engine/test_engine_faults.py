@@ -84,9 +84,8 @@ def test_a_failure_in_the_stop_check_fails_only_its_request(ckpt, monkeypatch):
 def _device_faults():
     """What a GPU (or the CPU's native kernels, or Triton) raises when the engine, not a request,
     fails: each must stop the engine, never become error rows."""
-    from triton.runtime.errors import OutOfResources
-
     import torch
+    from triton.runtime.errors import OutOfResources
 
     return {
         "cuda-oom": torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),

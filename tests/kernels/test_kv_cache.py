@@ -53,7 +53,8 @@ def test_store_kv_cache_ref_skips_slot_minus_one_without_a_host_read(skipped):
     key, value = torch.randn(4, 2, HEAD_DIM, generator=gen), torch.randn(4, 2, HEAD_DIM, generator=gen)
     slots = torch.tensor([0, 9, 5, 17])
     slots[skipped] = -1
-    k_cache, v_cache = torch.randn(3, 8, 2, HEAD_DIM, generator=gen), torch.randn(3, 8, 2, HEAD_DIM, generator=gen)
+    k_cache = torch.randn(3, 8, 2, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(3, 8, 2, HEAD_DIM, generator=gen)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     for t, slot in enumerate(slots.tolist()):  # the per-token specification
         if slot >= 0:
