@@ -155,13 +155,14 @@ def paged_decode_attention_triton(
     scale: float,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """q (S, Hq, D) -> (S, Hq, D), written into `out` when given (rows with a contiguous head dim).
 
     Each sequence's context is split across `num_splits` programs (flash-decoding; default from
     decode_num_splits) so that small batches with long contexts still fill the GPU, and a second,
-    tiny kernel merges the splits. Tile sizes and warps come from kernels.tuning (measured on the
-    GPU when a tuned table exists for it, defaults otherwise)."""
+    tiny kernel merges the splits. Tile sizes and warps: `config`, else kernels.tuning's (measured
+    on the GPU when a tuned table for it is named, defaults otherwise)."""
     from kernels import tuning
 
     num_seqs, num_q_heads, head_dim = q.shape
@@ -182,7 +183,7 @@ def paged_decode_attention_triton(
         partial_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                   device=q.device)
         partial_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    cfg = tuning.decode_config(q.device, head_dim, q.dtype)
+    cfg = config or tuning.decode_config(q.device, head_dim, q.dtype)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse,
         q.stride(0), q.stride(1), out.stride(0), block_tables.stride(0), scale * _LOG2E, num_kv_heads,
