@@ -208,7 +208,7 @@ def test_more_than_one_host_sync_per_decode_step_is_a_failed_row(ckpt, tmp_path)
     gpu_check.decode_step(Sink(tmp_path / "rows.jsonl", "engine"), llm, torch.device("cpu"), quick=True)
     rows = _rows(tmp_path / "rows.jsonl")
     assert [r["status"] for r in rows] == ["FAILED"]
-    assert rows[0]["item"].endswith("host syncs per step") and rows[0]["value"].startswith("2.0 (2.0 staging")
+    assert rows[0]["item"].endswith("host syncs per step") and rows[0]["value"].startswith("2.0 (2.0 of them")
 
 
 @pytest.mark.parametrize("name,ok", [("torch", False), ("cpu-native", True)])
@@ -309,3 +309,11 @@ def test_the_guard_refuses_what_the_image_lacks(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import probe"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "which the GPU image does not have" in proc.stderr
+
+
+def test_the_run_stops_itself_when_the_budget_and_its_slack_are_spent():
+    """The last resort above the sections' own limits: whatever the parent waits on is interrupted."""
+    t0 = time.monotonic()
+    with gpu_check._watchdog(0.5):
+        time.sleep(30)
+    assert time.monotonic() - t0 < 5
