@@ -251,6 +251,8 @@ _inputs_of: dict[TuneCase, object] = {}  # a pool process's inputs, built once p
 def _compile_one(task: tuple[TuneCase, int, dict]) -> tuple[str, int, str | None]:
     case, index, config = task
     try:
+        if case.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(case.device))  # Triton launches on the current device
         if case not in _inputs_of:
             _inputs_of[case] = case.inputs()
         case.run(_inputs_of[case], config)
