@@ -201,6 +201,7 @@ class WorkerSummary:
     latest_job_id: str | None  # the job of the shard it started last
     model: str | None  # the model it serves (its record), else that job's model
     engine_config: dict  # the engine config it serves (its record; {} when it wrote none)
+    engine_error: str | None  # why its engine failed (it handed its shards back and stopped), else None
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -238,6 +239,7 @@ def _worker(worker_id: str, row: dict | None, record: WorkerRecord | None, runni
         **stats, alive=state != "gone", current_shards=shards, latest_job_id=latest.get("job_id"),
         model=(record.model if record and record.model else latest.get("model")),
         engine_config=record.engine_config if record else {},
+        engine_error=(record.engine_error or None) if record else None,
     )
 
 

@@ -79,6 +79,8 @@ class BenchResult:
     num_constrained: int = 0  # requests with a JSON schema constraint
     mask_fill_s: float = 0.0  # time filling their grammar masks, all iterations
     peak_rss_mb: float = 0.0  # the engine's process (all of vLLM's, for its baseline) at its highest
+    num_errors: int = 0  # requests that ended with finish_reason "error": no throughput of theirs is real
+    first_error: str = ""  # the first such request's error
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -189,6 +191,8 @@ def run_engine(llm, workload: Workload, peak: float, name: str = "batchgen", tem
         num_preemptions=sum(s.num_preempted for s in stats), num_iterations=len(stats),
         num_constrained=sum(constrained), mask_fill_s=sum(s.mask_fill_s for s in stats),
         peak_rss_mb=peak_rss_mb(),
+        num_errors=sum(o.finish_reason == "error" for o in outs),
+        first_error=next((o.error or "" for o in outs if o.finish_reason == "error"), ""),
     )
 
 

@@ -19,6 +19,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.families import read_model_args
+from engine.faults import EngineFault, is_device_fault
 from engine.model import ModelArgs, Transformer
 from engine.model_runner import DTYPES, ModelRunner, kv_block_bytes
 from engine.outputs import RequestOutput
@@ -51,7 +52,7 @@ class LLMEngine:
                                  self.model_args.max_position_embeddings)
         model = _build_model(self.model_args, checkpoint.weights, config)
         self.runner = ModelRunner(model, config.block_size, self.max_model_len, config.max_num_seqs,
-                                  config.max_num_batched_tokens, enforce_eager=self._eager(config))
+                                  config.max_num_batched_tokens, enforce_eager=config.enforce_eager)
         self.structured = StructuredOutputs(self.tokenizer, self.model_args.vocab_size)
         self.sampler = Sampler(config.seed, self.runner.staging, self.structured)
         num_blocks = self._num_kv_blocks()
@@ -66,19 +67,7 @@ class LLMEngine:
         self._detoks: dict[int, object] = {}  # seq_index -> incremental detokenizer (stop strings only)
         self._ids = itertools.count()
         self._isolating = False
-
-    def _eager(self, config: EngineConfig) -> bool:
-        """No CUDA graphs for a mixture-of-experts model whose experts do not run on the Triton kernel:
-        the torch reference reads each expert's token count on the host, which a graph cannot capture."""
-        if not (self.model_args.num_experts and config.device_kind == "cuda") or config.enforce_eager:
-            return config.enforce_eager
-        from kernels import ops
-
-        if ops.get_backend(torch.empty(0, device=config.device)) == "triton":
-            return False
-        log.info("mixture of experts on the %s kernels: decode steps run eagerly (no CUDA graphs)",
-                 ops.get_backend(torch.empty(0, device=config.device)))
-        return True
+        self.fault: EngineFault | None = None  # set when a step failed the engine: no step runs after it
 
     def _num_kv_blocks(self) -> int:
         """KV blocks: as configured, else what the memory budget holds, never more than every
@@ -214,7 +203,13 @@ class LLMEngine:
 
     # -- one iteration
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, sample, apply stops. Returns the requests that finished."""
+        """Schedule, run the model, sample, apply stops. Returns the requests that finished.
+
+        Raises EngineFault when the engine itself failed (engine.faults): the device ran out of
+        memory, a kernel did not compile, the device reported an error. No request is finished for
+        it, and every later call raises it again: the engine's state is unknown."""
+        if self.fault is not None:
+            raise self.fault
         ts, t0 = time.time(), time.perf_counter()
         self.structured.mask_fill_s = 0.0
         sched = self.scheduler.schedule()
@@ -247,13 +242,20 @@ class LLMEngine:
         """Yield (piece, (tokens, logprobs, seqs)) for the step, or (piece, exception) for the
         requests a failure could be pinned on. A step that raises is run again in halves, down to
         single requests: only the request(s) that fail alone are lost, nothing else (recomputing
-        a piece rewrites the same KV slots, and nothing advances until a piece succeeds)."""
+        a piece rewrites the same KV slots, and nothing advances until a piece succeeds; the
+        staging buffers wait for the failed piece's uploads before they are written again). A
+        device fault is not halved: it raises EngineFault at once (engine.faults)."""
         if not scheduled:
             return
         try:
             logits, sample_seqs = self.runner.execute(SchedulerOutput(scheduled=scheduled))
             tokens, logprobs = self.sampler(logits, sample_seqs)
         except Exception as exc:  # noqa: BLE001 - a request's fault must not fail the others
+            if is_device_fault(exc):  # no request's doing: halving would only make error rows of all
+                self.fault = EngineFault.from_exception(exc)
+                log.error("engine step over %d requests failed the engine: %s", len(scheduled),
+                          self.fault.reason, exc_info=exc)
+                raise self.fault from exc
             if len(scheduled) == 1:
                 yield scheduled, exc
                 return

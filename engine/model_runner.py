@@ -34,7 +34,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 from engine.staging import Staging
-from kernels import cpu_gemm
+from kernels import cpu_gemm, ops
 from kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -67,6 +67,19 @@ def keep_freed_memory_mapped() -> bool:
     return bool(mmap_ok) and bool(libc.mallopt(m_trim_threshold, (1 << 31) - 1))
 
 
+def graphs_refused(device: torch.device, backend: str) -> str | None:
+    """Why decode steps on `device` must not be CUDA graphs under kernel `backend`, or None.
+
+    A graph replays its capture: device values are read again, host-side values stay what they were
+    at capture (every context length 1, for the padding). The Triton kernels read lengths from
+    device memory; the torch references plan their gathers from the host lengths, so a replay
+    would attend to one key per sequence."""
+    if device.type == "cuda" and backend != "triton":
+        return (f"the {backend} kernels plan decode attention from host-side context lengths, which a CUDA "
+                "graph would freeze at their capture values")
+    return None
+
+
 def graph_buckets(max_num_seqs: int) -> list[int]:
     """Decode batch sizes that get a graph: 1, 2, 4, 8, then every 8 up to max_num_seqs (vLLM's)."""
     sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8))
@@ -95,6 +108,32 @@ class _Layout:
             out[name] = slice(at, at + n)
             at += n
         return out
+
+GRAPH_MEMORY_MARGIN = 1.1  # on top of the measured graph memory: allocator rounding, fragmentation
+
+
+@dataclass
+class DeviceMemory:
+    """What the KV budget on a GPU is sized from (bytes; ModelRunner.profile_kv_budget measures it)."""
+
+    total: int  # the device's memory
+    held: int  # allocated by this process when profiling began: the weights, the caller's tensors
+    activation_peak: int  # the profile step's peak above `held` (activations, sampler temporaries)
+    graphs: int  # what the decode CUDA graphs will hold, measured before the KV cache is sized
+    outside: int  # used outside this process's allocator: the CUDA context, other processes
+
+
+def kv_budget(memory: DeviceMemory, utilization: float) -> tuple[int, str]:
+    """Bytes the KV cache may take under gpu_memory_utilization, and a line saying how they were
+    counted: utilization x total, less everything else that must fit beside the cache."""
+    taken = memory.held + memory.activation_peak + memory.graphs + memory.outside
+    gib = 1 << 30
+    return int(memory.total * utilization) - taken, (
+        f"gpu_memory_utilization {utilization:g} of {memory.total / gib:.1f} GiB, minus "
+        f"{memory.held / gib:.2f} GiB held (weights), a {memory.activation_peak / gib:.2f} GiB activation "
+        f"peak, {memory.graphs / gib:.2f} GiB for CUDA graphs and {memory.outside / gib:.2f} GiB outside "
+        "torch")
+
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in with one call
 # a private anonymous mapping (mmap.mmap(-1, n) alone is a shared one); Windows' mmap takes no flags
@@ -168,7 +207,11 @@ class ModelRunner:
             log.info("CPU projections (%s): %s", self.dtype, cpu_gemm.packing_summary(model))
         model.init_rope(max_model_len)
         self.enforce_eager = enforce_eager
-        self.buckets = [] if enforce_eager else graph_buckets(min(max_num_seqs, max_num_batched_tokens))
+        refused = graphs_refused(self.device, ops.get_backend(w))
+        if refused and not enforce_eager:
+            log.warning("decode steps run eagerly, without CUDA graphs: %s", refused)
+        self.buckets = ([] if enforce_eager or refused
+                        else graph_buckets(min(max_num_seqs, max_num_batched_tokens)))
         # a bucket's padding buys a CUDA graph; elsewhere it is only rows computed for nothing (on CPU
         # up to 7 of every decode step's GEMM rows), so decode steps there run at their own size
         self.pad_decodes = self.device.type == "cuda"
@@ -187,6 +230,8 @@ class ModelRunner:
         self.kv_populator: KVPopulator | None = None  # CPU: the KV pages made resident ahead of use
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_capture_s = 0.0
+        self.graph_memory_estimate = 0  # bytes the graphs were expected to hold when the KV cache was sized
+        self.graph_memory = 0  # bytes their capture took
 
     # -- KV cache and graphs (called once by the engine, in this order)
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -204,35 +249,50 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_kv_budget(self, utilization: float, sampler) -> tuple[int, str]:
-        """CUDA: bytes left for the KV cache after a profile step at the full token budget.
+        """CUDA: bytes left for the KV cache, and how they were counted (kv_budget).
 
-        The step runs max_num_batched_tokens prompt tokens over up to max_num_seqs sequences (with a
-        small scratch KV cache) and samples every sequence with top-p, so the peak holds the largest
-        activations and sampler temporaries a real step makes. The budget is
-        utilization x total memory - that peak - memory outside torch (context, other processes)."""
+        A profile step runs max_num_batched_tokens prompt tokens over up to max_num_seqs sequences
+        (with a small scratch KV cache) and samples every sequence with top-p, so its peak holds the
+        largest activations and sampler temporaries a real step makes; then the largest decode
+        graph is captured over the same scratch cache, to measure what the graphs will hold before
+        the KV cache takes the rest. Whatever this process holds on the device when profiling
+        starts counts as taken: the model's weights, and any the caller still keeps alive."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        held = torch.cuda.memory_allocated(self.device)
         seqs = self._profile_sequences()
-        scratch_blocks = sum(len(s.seq.block_table) for s in seqs)
-        self.allocate_kv_cache(scratch_blocks)
+        self.allocate_kv_cache(sum(len(s.seq.block_table) for s in seqs))
         try:
             logits, sample_seqs = self.execute(SchedulerOutput(scheduled=seqs))
             sampler(logits, sample_seqs)
             torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            self.graph_memory_estimate = self._graph_memory_estimate() if self.buckets else 0
         finally:
             for s in seqs:
                 self.release(s.seq)
                 sampler.release(s.seq)
             self.kv_caches = []
-        peak = torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        outside = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * utilization) - peak - outside
-        gib = 1 << 30
-        return budget, (f"gpu_memory_utilization {utilization:g} of {total / gib:.1f} GiB, minus a "
-                        f"{peak / gib:.2f} GiB peak of weights and activations and {outside / gib:.2f} GiB "
-                        "outside torch")
+        memory = DeviceMemory(total=total, held=held, activation_peak=peak - held,
+                              graphs=self.graph_memory_estimate,
+                              outside=total - free - torch.cuda.memory_reserved(self.device))
+        return kv_budget(memory, utilization)
+
+    def _graph_memory_estimate(self) -> int:
+        """Bytes the decode graphs will hold: the largest bucket's capture, measured (its private
+        pool: the activations every smaller bucket reuses, and its logits), plus the (S, V) float32
+        logits each smaller bucket's graph keeps, with GRAPH_MEMORY_MARGIN for the pool's rounding."""
+        largest = max(self.buckets)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        graph = self._capture(largest, None)
+        torch.cuda.synchronize(self.device)
+        measured = torch.cuda.memory_reserved(self.device) - before
+        del graph
+        kept = sum(size * self.args.vocab_size * 4 for size in self.buckets if size != largest)
+        return int((measured + kept) * GRAPH_MEMORY_MARGIN)
 
     def _profile_sequences(self) -> list[ScheduledSequence]:
         """Dummy prompts filling the token budget over up to max_num_seqs sequences, each with its
@@ -255,24 +315,34 @@ class ModelRunner:
         if self.device.type != "cuda" or not self.buckets:
             return
         t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
         pool = None
         for size in sorted(self.buckets, reverse=True):
-            self._stage_padding(size)
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm up: Triton compiles outside the capture
-                for _ in range(2):
-                    self._decode_forward(size, [1] * size)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._decode_forward(size, [1] * size)
-            pool = graph.pool()
-            self.graphs[size] = (graph, logits)
+            self.graphs[size] = self._capture(size, pool)
+            pool = self.graphs[size][0].pool()
         torch.cuda.synchronize(self.device)
         self.graph_capture_s = time.perf_counter() - t0
-        log.info("captured %d CUDA graphs (decode batch sizes %s..%s) in %.1f s", len(self.graphs),
-                 min(self.graphs), max(self.graphs), self.graph_capture_s)
+        self.graph_memory = torch.cuda.memory_reserved(self.device) - before
+        log.info("captured %d CUDA graphs (decode batch sizes %s..%s) in %.1f s: %.2f GiB (%.2f GiB "
+                 "expected when the KV cache was sized)", len(self.graphs), min(self.graphs),
+                 max(self.graphs), self.graph_capture_s, self.graph_memory / (1 << 30),
+                 self.graph_memory_estimate / (1 << 30))
+
+    def _capture(self, size: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """One decode bucket's graph over its padding inputs (in `pool`, None for a new one) and the
+        logits it writes."""
+        self._stage_padding(size)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm up: Triton compiles outside the capture
+            for _ in range(2):
+                self._decode_forward(size, [1] * size)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self._decode_forward(size, [1] * size)
+        return graph, logits
 
     def _stage_padding(self, size: int) -> None:
         """Fill the staged inputs of a decode bucket with padding only (for warm-up and capture)."""

@@ -451,7 +451,7 @@ def _run_job(request):
 def status(job_id: str | None, data_dir: str, fmt: str, requeue: bool, output: Path | None,
            all_shards: bool) -> None:
     """Progress of every job, or of one job and its shards (like OpenAI Batch's request_counts)."""
-    from jobs.status import job_status, jobs_status, render_job, render_jobs
+    from jobs.status import engine_faults, job_status, jobs_status, render_job, render_jobs
 
     data_dir = str(Path(data_dir).expanduser().resolve())
     if not Path(data_dir).is_dir():
@@ -462,7 +462,8 @@ def status(job_id: str | None, data_dir: str, fmt: str, requeue: bool, output: P
         if output:
             raise click.UsageError("--output needs a JOB")
         rows = _unless_unreadable(jobs_status, data_dir)
-        click.echo(json.dumps(rows, indent=1, default=str) if fmt == "json" else render_jobs(rows))
+        click.echo(json.dumps(rows, indent=1, default=str) if fmt == "json"
+                   else render_jobs(rows, engine_faults(data_dir)))
         return
     manifest = _manifest(data_dir, job_id)
     info = _unless_unreadable(job_status, manifest, all_shards=all_shards)

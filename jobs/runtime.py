@@ -11,6 +11,10 @@ progress), aborts the requests of a job whose cancel marker appears, periodicall
 shards of dead workers (`jobs.supervise.requeue_dead_shards`), and keeps this worker's record
 (`jobs.store.workers`) fresh so the dashboard can tell an idle worker from a gone one.
 
+When the engine itself fails (out of memory, a kernel that does not compile, a device error:
+engine.faults) the worker hands every shard it holds back to the queue, unwritten and with no retry
+used, writes the reason into its record (`batchgen status`, the dashboard's workers page) and stops.
+
 The engine's telemetry goes to the store (iterations, through the stat logger) and, when the worker
 serves Prometheus metrics, to `jobs.metrics.WorkerMetrics` (iterations, and each finished request).
 """
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.faults import describe
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import IterationStats
@@ -62,8 +67,9 @@ class ShardRun:
     output_tokens: int = 0  # tokens of the finished outputs
     rows_done: int = 0  # rows whose every sample finished
     cancelled: bool = False  # its job was cancelled; unfinished rows came back "cancelled"
-    handed_back: bool = False  # the worker was interrupted: unfinished rows stopped, the shard goes back
-    error: str | None = None  # set when the engine failed under it (the attempt is retried)
+    handed_back: bool = False  # unfinished rows stopped, the shard goes back to the queue (no retry used)
+    hand_back_reason: str = "the worker was interrupted"  # why it was handed back
+    error: str | None = None  # set when the worker stopped under it (the attempt is retried)
     done: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
@@ -86,16 +92,28 @@ class ShardRun:
         self.error = error
         self.done.set()
 
+    def hand_back(self, reason: str) -> None:
+        """End the run without its rows: the shard goes back to the queue for another worker."""
+        self.handed_back, self.hand_back_reason = True, reason
+        self.done.set()
+
 
 class EngineLoop:
-    """The thread that owns the engine: admits shards, steps, routes finished outputs back."""
+    """The thread that owns the engine: admits shards, steps, routes finished outputs back.
+
+    A step that raises failed the engine itself (a request's fault finishes that request inside the
+    step, engine.faults): the loop hands every shard it holds back, records why in `fault`, tells
+    `on_fault` and ends. It does not rebuild the engine: after an out-of-memory or a device error
+    the device is not to be trusted in this process, and another worker takes the shards."""
 
     def __init__(self, make_engine: Callable[[], object], on_idle: Callable[[], None] = lambda: None,
-                 on_finished: Callable[[RequestOutput], None] = lambda out: None) -> None:
-        self._make_engine = make_engine
+                 on_finished: Callable[[RequestOutput], None] = lambda out: None,
+                 on_fault: Callable[[str], None] = lambda reason: None) -> None:
         self.engine = make_engine()
         self._on_idle = on_idle
         self._on_finished = on_finished  # every request the engine finishes, whoever owned it
+        self._on_fault = on_fault  # called once, from the loop's thread, when the engine failed
+        self.fault: str | None = None  # why the engine failed (the loop has ended)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._owner: dict[str, ShardRun] = {}  # engine request id -> its shard run
         self._runs: dict[str, ShardRun] = {}  # key -> shard runs in the engine
@@ -134,7 +152,7 @@ class EngineLoop:
 
     # -- the loop
     def _main(self) -> None:
-        while True:
+        while self.fault is None:
             self._drain_inbox(block=not self.engine.has_unfinished_requests())
             if self._stopping:
                 self._fail_all("worker stopped before the shard finished")
@@ -144,6 +162,7 @@ class EngineLoop:
                 self._step()
             else:
                 self._on_idle()
+        self._on_idle()
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -197,11 +216,8 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             finished = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - the engine's state is unknown: fail its shards, rebuild it
-            log.exception("engine step failed; failing %d shard attempt(s) and rebuilding the engine",
-                          len(self._runs))
-            self._fail_all(f"engine step failed: {exc!r}")
-            self.engine = self._make_engine()
+        except Exception as exc:  # noqa: BLE001 - the engine failed, not a request (see the class)
+            self._engine_failed(exc)
             return
         for out in finished:
             self._on_finished(out)
@@ -223,6 +239,28 @@ class EngineLoop:
     def _fail_all(self, error: str) -> None:
         for run in list(self._runs.values()):
             self._drop(run, error)
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        """Hand every shard back (no row of theirs is written, no retry used) and end the loop."""
+        self.fault = f"engine failed: {describe(exc)}"
+        log.error("%s; handing %d shard attempt(s) back and stopping the engine loop", self.fault,
+                  len(self._runs), exc_info=exc)
+        for run in list(self._runs.values()):
+            run.hand_back(self.fault)
+        self._runs.clear()
+        self._owner.clear()
+        self._on_fault(self.fault)
+        self._hand_back_inbox()
+
+    def _hand_back_inbox(self) -> None:
+        """Shards submitted after the fault: handed back too (run_shard also checks `fault`)."""
+        while True:
+            try:
+                what, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if what == "submit":
+                arg.hand_back(self.fault)
 
 
 @dataclass
@@ -262,7 +300,8 @@ class WorkerRuntime:
         self._tick_s = min(ttl * HEARTBEAT_FRACTION, 1.0)
         self._record_every_s = ttl * HEARTBEAT_FRACTION
         self._janitor_interval_s = janitor_interval_s or ttl / 2
-        self.loop = EngineLoop(self._make_engine, on_idle=self._on_idle, on_finished=self._on_request)
+        self.loop = EngineLoop(self._make_engine, on_idle=self._on_idle, on_finished=self._on_request,
+                               on_fault=self._on_engine_fault)
         self._house = threading.Thread(target=self._housekeeping, name="worker-housekeeping", daemon=True)
 
     def _make_engine(self):
@@ -280,6 +319,13 @@ class WorkerRuntime:
     def _on_request(self, out: RequestOutput) -> None:
         if self.metrics is not None:
             self.metrics.on_request(out.metrics, out.finish_reason)
+
+    def _on_engine_fault(self, reason: str) -> None:
+        """The engine failed: take no more shards, and say why in the worker's record at once."""
+        self._draining.set()
+        if self.record is not None:
+            self.record.engine_error = reason
+            self._guarded(self._write_record, "writing the worker record failed")
 
     def _on_idle(self) -> None:
         if self.metrics is not None:  # first: a reader that sees the flushed telemetry sees an idle engine
@@ -362,16 +408,19 @@ class WorkerRuntime:
 
     def run_shard(self, job_id: str, key: str, requests: list[EngineRequest]) -> ShardRun:
         """Hand a shard attempt's requests to the engine and wait until every one finished."""
-        if not self.loop.alive:
-            raise RuntimeError(f"worker {self.worker_id}: the engine loop is not running")
         run = ShardRun(job_id, key, requests)
-        with self._lock:
-            if key in self._held:
-                self._held[key].run = run
-        self.loop.submit(run)
-        while not run.done.wait(1.0):
+        if self.loop.fault is None:
             if not self.loop.alive:
-                run.fail("the engine loop stopped")
+                raise RuntimeError(f"worker {self.worker_id}: the engine loop is not running")
+            with self._lock:
+                if key in self._held:
+                    self._held[key].run = run
+            self.loop.submit(run)
+            while not run.done.wait(1.0) and self.loop.fault is None:
+                if not self.loop.alive:
+                    run.fail("the engine loop stopped")
+        if self.loop.fault is not None and (run.handed_back or not run.done.is_set()):
+            run.hand_back(f"{self.loop.fault} on worker {self.worker_id}")  # under it, or before it
         return run
 
     # -- housekeeping
@@ -404,9 +453,16 @@ class WorkerRuntime:
         self.record.iterations = self.iterations
         write_worker_record(self.data_dir, self.record)
 
+    @property
+    def engine_fault(self) -> str | None:
+        """Why this worker's engine failed (it then hands every shard back and stops), or None."""
+        return self.loop.fault
+
     def _give_up(self) -> None:
-        """The engine loop died (an engine could not be rebuilt): stop taking shards."""
-        log.error("worker %s: the engine loop died; shutting the worker down", self.worker_id)
+        """The engine loop ended (its engine failed): stop the worker; its shards were handed back."""
+        self._draining.set()
+        log.error("worker %s: the engine loop ended (%s); shutting the worker down", self.worker_id,
+                  self.loop.fault or "no engine")
         if self._on_fatal is not None:
             self._on_fatal()
 

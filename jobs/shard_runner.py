@@ -121,7 +121,7 @@ def _run_attempt(task: ShardTask, manifest: JobManifest, runtime: WorkerRuntime,
         ledger.step_aside(claim)
         return ShardOutcome("skipped", claim.number, reason="superseded by a newer attempt")
     if run.handed_back:
-        reason = "handed back: the worker was interrupted"
+        reason = f"handed back: {run.hand_back_reason}"
         ledger.hand_back(claim, reason)  # no retry used; the message goes back to the broker
         return ShardOutcome("handed_back", claim.number, reason=reason)
     if run.error:

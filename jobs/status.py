@@ -110,6 +110,31 @@ def _live_rows(data_dir: str, job_id: str) -> tuple[int, str | None]:
         return 0, None
 
 
+ENGINE_FAULTS_WITHIN_S = 86400.0  # `status` reports the engine faults of workers stopped within this
+
+
+def engine_faults(data_dir: str, now: float | None = None) -> list[dict]:
+    """Workers whose engine failed (jobs.runtime: they handed their shards back and stopped) within
+    the last ENGINE_FAULTS_WITHIN_S: worker id, host, when, and why."""
+    now = time.time() if now is None else now
+    return [{"worker_id": r.worker_id, "host": r.host, "ts": r.stopped_ts or r.heartbeat_ts,
+             "error": r.engine_error} for r in read_worker_records(data_dir)
+            if r.engine_error and now - (r.stopped_ts or r.heartbeat_ts) <= ENGINE_FAULTS_WITHIN_S]
+
+
+def engine_fault_lines(faults: list[dict], now: float | None = None) -> list[str]:
+    now = time.time() if now is None else now
+    return [f"warning: worker {f['worker_id']} ({f['host']}) stopped {_ago(now - f['ts'])}: its "
+            f"{f['error']}; the shards it held went back to the queue" for f in faults]
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(seconds, 0.0)
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    return f"{seconds / 60:.0f} min ago" if seconds < 7200 else f"{seconds / 3600:.0f} h ago"
+
+
 SHARD_STATES = ("completed", "running", "queued", "failed", "cancelled")  # the `shards` view's statuses
 LISTED_STATES = ("running", "failed")  # the shards `status JOB` lists without --shards
 
@@ -140,15 +165,17 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
     queued = 0 if info["status"] in ("completed", "failed", "cancelled") else info["shard_counts"]["queued"]
     info["warning"] = no_worker_warning(queued, manifest.queue, manifest.broker,
                                         read_worker_records(manifest.data_dir), time.time())
+    info["engine_faults"] = engine_faults(manifest.data_dir)
     return info
 
 
 # ---------------------------------------------------------------- rendering
 
 
-def render_jobs(rows: list[dict]) -> str:
+def render_jobs(rows: list[dict], faults: list[dict] = ()) -> str:
+    notes = engine_fault_lines(list(faults))
     if not rows:
-        return "no jobs"
+        return "\n".join(["no jobs", *notes])
     header = ("JOB", "STATUS", "ROWS DONE", "OK", "ERROR", "CANCELLED", "SHARDS DONE/FAILED/ALL", "TOKENS",
               "MODEL")
     lines = [header]
@@ -159,7 +186,7 @@ def render_jobs(rows: list[dict]) -> str:
                       f"{r['shards_completed']}/{r['shards_failed']}/{r['num_shards']}",
                       str(r["output_tokens"] or 0), str(r["model"])))
     warnings = [f"warning: job {r['job_id']}: {r['warning']}" for r in rows if r.get("warning")]
-    return "\n".join([_table(lines), *warnings])
+    return "\n".join([_table(lines), *warnings, *notes])
 
 
 def render_job(info: dict) -> str:
@@ -174,6 +201,7 @@ def render_job(info: dict) -> str:
         head.append(f"error: {info['error']}")
     if info.get("warning"):
         head.append(f"warning: {info['warning']}")
+    head += engine_fault_lines(info.get("engine_faults", []))
     counts = info["shard_counts"]
     head.append(f"shards: {counts['total']} total, " + ", ".join(f"{counts[s]} {s}" for s in SHARD_STATES))
     if not info["shards"]:

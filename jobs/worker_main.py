@@ -135,6 +135,10 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
             loglevel=loglevel, prefetch_multiplier=1, quiet=True, **worker_options(settings),
         )
         celery_worker.start()
+        if runtime.engine_fault is not None:
+            log.error("worker %s stopped: its %s; its shards went back to the queue", worker_id,
+                      runtime.engine_fault)
+            return 1
         return celery_worker.exitcode or 0
     finally:
         runtime.stop()

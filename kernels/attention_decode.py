@@ -160,14 +160,15 @@ def paged_decode_attention_triton(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """q (S, Hq, D) -> (S, Hq, D), written into `out` when given (rows with a contiguous head dim).
     With a sliding `window` each query sees its last `window` keys only.
 
     Each sequence's context is split across `num_splits` programs (flash-decoding; default from
     decode_num_splits) so that small batches with long contexts still fill the GPU, and a second,
-    tiny kernel merges the splits. Tile sizes and warps come from kernels.tuning (measured on the
-    GPU when a tuned table exists for it, defaults otherwise)."""
+    tiny kernel merges the splits. Tile sizes and warps: `config`, else kernels.tuning's (measured
+    on the GPU when a tuned table for it is named, defaults otherwise)."""
     from kernels import tuning
 
     num_seqs, num_q_heads, head_dim = q.shape
@@ -188,7 +189,7 @@ def paged_decode_attention_triton(
         partial_out = torch.empty((num_seqs, num_q_heads, num_splits, head_dim), dtype=torch.float32,
                                   device=q.device)
         partial_lse = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    cfg = tuning.decode_config(q.device, head_dim, q.dtype)
+    cfg = config or tuning.decode_config(q.device, head_dim, q.dtype)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, partial_out, partial_lse,
         q.stride(0), q.stride(1), out.stride(0), block_tables.stride(0), scale * _LOG2E, num_kv_heads,
@@ -257,34 +258,35 @@ def plan_decode_groups(
 ) -> list[DecodeGroup]:
     """Split decodes into groups whose contexts are within 1.5x of the group's longest, so that the
     padded gather wastes little; build each group's gather indices and mask once per step (a
-    sliding `window` masks the keys before each sequence's last `window`)."""
+    sliding `window` masks the keys before each sequence's last `window`).
+
+    The groups are runs of the decodes sorted by length, longest first. Their indices are slices of
+    the same (stable) sort done on the device lengths, so no index list is uploaded from the host
+    (a blocking copy: on a GPU, a sync)."""
     order = sorted(range(len(context_lens_cpu)), key=context_lens_cpu.__getitem__, reverse=True)
-    groups: list[list[int]] = []
-    for seq in order:
-        top = context_lens_cpu[groups[-1][0]] if groups else 0
-        if groups and (context_lens_cpu[seq] * 1.5 >= top or top - context_lens_cpu[seq] < 128):
-            groups[-1].append(seq)
-        else:
-            groups.append([seq])
-    if len(groups) == 1:
+    starts: list[int] = []  # where each group begins in `order`
+    for at, seq in enumerate(order):
+        top = context_lens_cpu[order[starts[-1]]] if starts else 0
+        if not starts or not (context_lens_cpu[seq] * 1.5 >= top or top - context_lens_cpu[seq] < 128):
+            starts.append(at)
+    if len(starts) == 1:
         longest = context_lens_cpu[order[0]]
         return [_decode_group(None, longest, block_tables, context_lens, block_size, window)]
-    return [
-        _decode_group(seqs, context_lens_cpu[seqs[0]], block_tables, context_lens, block_size, window)
-        for seqs in groups
-    ]
+    device_order = torch.argsort(context_lens[: len(order)], descending=True, stable=True)  # == order
+    ends = starts[1:] + [len(order)]
+    return [_decode_group(device_order[a:b], context_lens_cpu[order[a]], block_tables, context_lens,
+                          block_size, window) for a, b in zip(starts, ends, strict=True)]
 
 
 def _decode_group(
-    seqs: list[int] | None,
+    index: torch.Tensor | None,
     longest: int,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     block_size: int,
     window: int | None = None,
 ) -> DecodeGroup:
-    """One group's gather indices and mask; seqs None means every decode, in order."""
-    index = None if seqs is None else torch.tensor(seqs, dtype=torch.int64, device=block_tables.device)
+    """One group's gather indices and mask; index (n,) int64 of its decodes, None for every decode."""
     tables = block_tables if index is None else block_tables.index_select(0, index)
     lens = context_lens if index is None else context_lens.index_select(0, index)
     num_blocks = -(-longest // block_size)

@@ -81,18 +81,24 @@ def store_kv_cache_ref(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Scatter key/value (T, Hkv, D) into caches (num_blocks, block_size, Hkv, D) at flat slots
-    slot_mapping (T,) = block_id * block_size + offset; slot -1 means do not store."""
-    num_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    flat_k = k_cache.view(-1, num_heads, head_dim)
-    flat_v = v_cache.view(-1, num_heads, head_dim)
-    keep = slot_mapping >= 0
-    if bool(keep.all()):
-        flat_k.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-        flat_v.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    slot_mapping (T,) = block_id * block_size + offset; slot -1 means do not store.
+
+    Nothing here reads a device value on the host (no `.all()` test, no boolean indexing), so on a
+    GPU it costs no sync: each token with slot -1 is sent to the first token that stores, with that
+    token's slot and rows, so the duplicate writes agree whatever their order; when no token stores,
+    all go to slot 0 with the rows slot 0 already holds."""
+    num_tokens, num_heads, head_dim = key.shape[0], k_cache.shape[2], k_cache.shape[3]
+    if num_tokens == 0:
         return
-    slots = slot_mapping[keep]
-    flat_k.index_copy_(0, slots, key[keep].to(k_cache.dtype))
-    flat_v.index_copy_(0, slots, value[keep].to(v_cache.dtype))
+    keep = slot_mapping >= 0  # (T,)
+    first = keep.to(torch.int32).argmax()  # the first token that stores (0 when none does)
+    source = torch.where(keep, torch.arange(num_tokens, device=keep.device), first)  # (T,) token to copy
+    slots = slot_mapping.index_select(0, source).clamp(min=0)
+    none = ~keep.any()  # () on the device
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        flat = cache.view(-1, num_heads, head_dim)  # (slots, Hkv, D)
+        new = rows.index_select(0, source).to(cache.dtype)
+        flat.index_copy_(0, slots, torch.where(none, flat.index_select(0, slots), new))
 
 
 def store_kv_cache_native(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -44,6 +44,7 @@ class WorkerRecord:
     iterations: int = 0  # engine steps it had run at the heartbeat
     metrics_url: str = ""  # its Prometheus /metrics, when served
     engine_config: dict = field(default_factory=dict)  # the EngineConfig it serves, resolved (every field)
+    engine_error: str = ""  # why its engine failed (out of memory, a device error); it then stopped
 
     def state(self, now: float) -> str:
         """alive | stopped | lost (see the module docstring)."""

@@ -289,7 +289,9 @@ def test_workers_show_running_idle_and_gone_with_when(tmp_path):
     now = time.time()
     records = {"busy": dict(heartbeat_ts=now - 1, shards_held=2), "idle": dict(heartbeat_ts=now - 2),
                "lost": dict(heartbeat_ts=now - 300),
-               "stopped": dict(heartbeat_ts=now - 120, stopped_ts=now - 120)}
+               "stopped": dict(heartbeat_ts=now - 120, stopped_ts=now - 120),
+               "failed": dict(heartbeat_ts=now - 60, stopped_ts=now - 60,
+                              engine_error="engine failed: OutOfMemoryError: CUDA out of memory")}
     for name, fields in records.items():
         url = f"http://host-a:9400/metrics?{name}"
         write_worker_record(tmp_path, WorkerRecord(name, "host-a", 7, now - 900, ttl_s=30.0, model="m",
@@ -300,7 +302,10 @@ def test_workers_show_running_idle_and_gone_with_when(tmp_path):
     workers = {w["worker_id"]: w for w in as_json(client.get("/api/workers"))["workers"]}
     got = {w: (v["state"], v["gone_reason"]) for w, v in workers.items()}
     assert got == {"busy": ("running", None), "idle": ("idle", None), "lost": ("gone", "lost"),
-                   "stopped": ("gone", "stopped"), "old-telemetry-only": ("gone", "silent")}
+                   "stopped": ("gone", "stopped"), "failed": ("gone", "stopped"),
+                   "old-telemetry-only": ("gone", "silent")}
+    assert workers["failed"]["engine_error"] == "engine failed: OutOfMemoryError: CUDA out of memory"
+    assert workers["stopped"]["engine_error"] is None
     assert workers["lost"]["gone_since_ts"] == pytest.approx(now - 300)
     assert workers["stopped"]["gone_since_ts"] == pytest.approx(now - 120)
     assert workers["old-telemetry-only"]["gone_since_ts"] == pytest.approx(now - 599.9)
@@ -311,3 +316,4 @@ def test_workers_show_running_idle_and_gone_with_when(tmp_path):
     assert re.search(r'class="gone-note"[^>]*>stopped 2m 0[0-9]s ago<br>', page)
     assert re.search(r'class="gone-note"[^>]*>heartbeat lost 5m 0[0-9]s ago<br>', page)
     assert 'href="http://host-a:9400/metrics?busy"' in page
+    assert '<small class="engine-error">engine failed: OutOfMemoryError: CUDA out of memory</small>' in page

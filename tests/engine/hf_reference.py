@@ -20,11 +20,11 @@ TokensAndLogprobs = tuple[list[int], list[dict[int, float]]]
 
 
 @lru_cache(maxsize=2)
-def load_hf_model(model_dir: str):
-    """A float32 LlamaForCausalLM from a Hugging Face directory, in eval mode (cached per directory)."""
+def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32):
+    """A LlamaForCausalLM from a Hugging Face directory in `dtype`, in eval mode (cached)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return model.eval()
 
 
@@ -65,10 +65,15 @@ def hf_greedy(
 
 def hf_prompt_logprobs(model_dir: str | Path, token_ids: list[int]) -> torch.Tensor:
     """(T, V) log-softmax of one full forward over `token_ids`: row t predicts token t + 1."""
-    model = load_hf_model(str(model_dir))
+    return torch.log_softmax(hf_logits(model_dir, token_ids), dim=-1)
+
+
+def hf_logits(model_dir: str | Path, token_ids: list[int], dtype: torch.dtype = torch.float32
+              ) -> torch.Tensor:
+    """(T, V) float32 logits of one full forward over `token_ids` in `dtype`: row t predicts token t + 1."""
+    model = load_hf_model(str(model_dir), dtype)
     with torch.inference_mode():
-        logits = model(torch.tensor([token_ids], dtype=torch.long)).logits[0]
-    return torch.log_softmax(logits.float(), dim=-1)
+        return model(torch.tensor([token_ids], dtype=torch.long)).logits[0].float()
 
 
 def check_logprobs_close(

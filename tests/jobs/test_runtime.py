@@ -11,6 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from jobs.broker import resolve_broker
+from jobs.ledger import ShardLedger
 from jobs.manifest import JobPaths
 from jobs.runtime import EngineRequest, ShardRun
 from jobs.shard_runner import ShardTask, backoff_s, process_shard
@@ -139,21 +140,68 @@ def test_wrong_model_fails_the_attempt(runtime, data_dir, tmp_path):
     assert out.result == "failed" and "wants model 'smollm2-135m'" in out.reason
 
 
-def test_engine_failure_fails_the_shards_in_it_and_the_engine_is_rebuilt(runtime, monkeypatch):
-    engine = runtime.loop.engine
+DEVICE_FAULTS = {
+    "out-of-memory": lambda: __import__("torch").OutOfMemoryError("CUDA out of memory (4 GiB)"),
+    "sticky-device-error": lambda: RuntimeError("CUDA error: an illegal memory access was encountered"),
+}
 
-    def broken_step():
-        raise RuntimeError("injected step failure")
 
-    monkeypatch.setattr(engine, "step", broken_step)
-    run = ShardRun("j2", "j2:0:1", [EngineRequest("j2:0:1:0", "hello", None, SamplingParams(max_tokens=2))])
-    runtime.loop.submit(run)
-    assert run.done.wait(30)
-    assert "injected step failure" in run.error
-    wait_for(lambda: runtime.loop.engine is not engine, 30, "a fresh engine to replace the failed one")
-    ok = ShardRun("j2", "j2:0:2", [EngineRequest("j2:0:2:0", "hello", None, SamplingParams(max_tokens=2))])
-    runtime.loop.submit(ok)
-    assert ok.done.wait(30) and ok.error is None and ok.rows_done == 1
+@pytest.mark.parametrize("kind", list(DEVICE_FAULTS))
+def test_a_device_fault_hands_the_shards_back_and_stops_the_worker(data_dir, tmp_path, kind):
+    """The engine's fault is not the rows': the shard goes back to the queue (no error row, no
+    output written, no retry used), the worker takes nothing more, says why in its record (which
+    `batchgen status` and the dashboard show) and asks to be stopped."""
+    import os
+    import socket
+
+    from engine import EngineConfig
+    from jobs.runtime import WorkerRuntime
+    from jobs.status import engine_faults, render_jobs
+    from jobs.store import WorkerRecord, read_worker_records
+    from jobs.supervise import retries_used
+    from tests.jobs.helpers import one_torch_thread
+
+    now, worker_id = time.time(), f"w-fault-{kind}"
+    record = WorkerRecord(worker_id, socket.gethostname(), os.getpid(), now, now, 30.0, model=MODEL)
+    fatal = threading.Event()
+    with one_torch_thread():
+        rt = WorkerRuntime(EngineConfig(model=MODEL, max_num_seqs=4), worker_id, data_dir, record=record,
+                           on_fatal=fatal.set).start()
+        try:
+            m, _ = _job(data_dir, tmp_path, 4, 2, max_retries=3)
+            model = rt.loop.engine.runner.model
+            real, calls = model.forward, []
+
+            def forward(*args, **kwargs):
+                calls.append(1)
+                if len(calls) > 2:  # a few good steps first: the shard is half-way
+                    raise DEVICE_FAULTS[kind]()
+                return real(*args, **kwargs)
+
+            model.forward = forward
+            out = process_shard(_task(m, 0), rt)
+            assert out.result == "handed_back", out.describe()
+            assert "engine failed" in out.reason and worker_id in out.reason
+            assert len(calls) == 3  # not re-run in halves
+            assert outputs_of(data_dir, m.job_id) == []  # no error rows
+            leases = ShardLedger(m.data_dir, m.job_id).leases
+            attempts = leases.claimed_attempts()[0]
+            assert leases.view(0, attempts[-1]).state.state == "handed_back"
+            assert retries_used(leases, 0, attempts) == 0
+            assert shards_of(data_dir, m.job_id)[0]["status"] == "queued"
+            wait_for(fatal.is_set, 30, "the worker to ask to be stopped")
+            assert rt.engine_fault is not None and not rt.loop.alive
+            later = process_shard(_task(m, 1), rt)  # a delivery after the fault goes back untouched
+            assert later.result == "handed_back" and later.attempt == 0
+        finally:
+            rt.stop()
+    saved = next(r for r in read_worker_records(data_dir) if r.worker_id == worker_id)
+    assert saved.engine_error == rt.engine_fault and saved.stopped_ts > 0
+    assert type(DEVICE_FAULTS[kind]()).__name__ in saved.engine_error
+    faults = [f for f in engine_faults(str(data_dir)) if f["worker_id"] == worker_id]
+    assert len(faults) == 1
+    text = render_jobs([], faults)
+    assert f"worker {worker_id}" in text and saved.engine_error in text and "went back to the queue" in text
 
 
 def test_chat_messages_rows_use_the_chat_template(runtime, data_dir, tmp_path):

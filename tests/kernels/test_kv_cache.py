@@ -42,3 +42,22 @@ def test_store_kv_cache_rejects_int32_slots():
     with pytest.raises(ValueError, match="slot_mapping must be"):
         store_kv_cache_triton(inputs.key, inputs.value, inputs.k_cache, inputs.v_cache,
                               inputs.meta.slot_mapping.int())
+
+
+@pytest.mark.parametrize("skipped", [[], [0], [1, 3], [0, 1, 2, 3]], ids=["none", "first", "some", "all"])
+def test_store_kv_cache_ref_skips_slot_minus_one_without_a_host_read(skipped):
+    """The reference redirects skipped tokens instead of testing `keep.all()` on the host (a sync on
+    a GPU): every stored slot holds its token's rows and every other slot keeps its value, also when
+    the first stored token writes slot 0, the target of the redirect when nothing stores."""
+    gen = torch.Generator().manual_seed(len(skipped))
+    key, value = torch.randn(4, 2, HEAD_DIM, generator=gen), torch.randn(4, 2, HEAD_DIM, generator=gen)
+    slots = torch.tensor([0, 9, 5, 17])
+    slots[skipped] = -1
+    k_cache = torch.randn(3, 8, 2, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(3, 8, 2, HEAD_DIM, generator=gen)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for t, slot in enumerate(slots.tolist()):  # the per-token specification
+        if slot >= 0:
+            want_k.view(-1, 2, HEAD_DIM)[slot], want_v.view(-1, 2, HEAD_DIM)[slot] = key[t], value[t]
+    store_kv_cache_ref(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 from tests.kernels.cases import require_triton
 
 require_triton()
@@ -42,9 +44,38 @@ def test_bench_refuses_cpu_without_the_interpreter():
 
 
 def test_every_kernel_compiles_for_sm90_without_spilling():
-    args = ["kernels.compile_check", "--arch", "90", "--dtypes", "bfloat16", "float32"]
+    """Every launcher with its default tiles, at each head shape (SmolLM2-135M, Qwen3-0.6B, Llama-3-8B)."""
+    args = ["kernels.compile_check", "--arch", "90", "--dtypes", "bfloat16", "float32", "--configs",
+            "default", "--jobs", "2"]
     result = _run(args, interpret=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "34 kernel builds ok, 0 failed" in result.stdout
+    # per dtype: 5 elementwise builds, then decode, split decode + its merge, prefill per head shape
+    # (Qwen3-0.6B's and Llama-3-8B's merge kernels are one build: head dim 128 both), and the fused MoE's
+    # gated and weighted GEMMs at both tile sizes
+    assert "40 kernel builds ok, 0 failed" in result.stdout
     builds = result.stdout.splitlines()[:-1]
+    assert sum(" qwen3-0.6b " in line for line in builds) == 2 * 4
     assert all(" spill=0B " in line for line in builds), result.stdout  # cuobjdump ships with Triton
+
+
+def test_compile_check_builds_the_tiles_the_tuner_may_pick():
+    """The tuner may pick any candidate: compile_check (default --configs all) launches each one, and
+    the largest tiles at the 0.6B head shape build for sm_90 without spilling (the full build:
+    `python -m kernels.compile_check`, ~130 builds per dtype and head shape)."""
+    from kernels import compile_check, tuning
+
+    launches = compile_check.example_launches(torch.bfloat16, "qwen3-0.6b")
+    decode = [op for op in launches if op.startswith("decode_attention ")]
+    prefill = [op for op in launches if op.startswith("prefill_attention ")]
+    assert len(decode) == len(tuning.CANDIDATES["decode"])
+    assert len(prefill) == len(tuning.CANDIDATES["prefill"])
+    # decode's and prefill's biggest tiles with the deepest pipelines
+    largest = "^decode_attention(_split)? n128w8s3$|^prefill_attention m128n128w8s2$"
+    args = ["kernels.compile_check", "--arch", "90", "--dtypes", "bfloat16", "--heads", "qwen3-0.6b",
+            "--only", largest, "--jobs", "2"]
+    result = _run(args, interpret=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    builds = result.stdout.splitlines()[:-1]
+    assert "4 kernel builds ok, 0 failed" in result.stdout  # decode, split decode + merge, prefill
+    assert all(" spill=0B " in line for line in builds), result.stdout
+    assert any("prefill_attention m128n128w8s2" in line and "warps=8" in line for line in builds)
