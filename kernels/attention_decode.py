@@ -169,7 +169,7 @@ def paged_decode_attention_triton(
     decode_num_splits) so that small batches with long contexts still fill the GPU, and a second,
     tiny kernel merges the splits. Tile sizes and warps: `config`, else kernels.tuning's (measured
     on the GPU when a tuned table for it is named, defaults otherwise)."""
-    from kernels import tuning
+    from kernels import tile_configs as tuning
 
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]

@@ -129,7 +129,7 @@ def paged_prefill_attention_triton(
     a (S, query tiles of the longest chunk, Hkv) grid; tiles past a shorter chunk exit at once.
     query_start_loc[0] must be 0 (q's first row). Written into `out` when given. Tile sizes and warps
     come from kernels.tuning (measured per GPU when a tuned table exists, defaults otherwise)."""
-    from kernels import tuning
+    from kernels import tile_configs as tuning
 
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]

@@ -21,10 +21,8 @@ import torch
 
 from kernels import activation, attention_decode, attention_prefill, kv_cache, rms_norm, rotary
 from kernels.fused_moe import fused_moe_cpu, fused_moe_ref, fused_moe_triton, select_experts
-from kernels.testing import PagedInputs, make_paged_inputs
+from kernels.testing import TOLERANCES, PagedInputs, make_paged_inputs
 
-# dtype -> (atol, rtol) of a Triton kernel against the torch reference run in the same dtype
-TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (5e-3, 5e-3), torch.bfloat16: (3e-2, 3e-2)}
 MODELS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}  # (query heads, KV heads, head dim)
 # (hidden, expert intermediate, experts, top k) of MoE layers: Qwen3-30B-A3B's, the same with D and I / 4
 # (the CPU table: the routing as in the model, a quarter of the weights per expert), and a toy one

@@ -1,10 +1,5 @@
-"""Tile sizes of the attention kernels, measured per GPU: defaults, a tuned table per GPU name, and
-the tuner that writes one.
-
-A launch reads its tile config from the table that `BATCHGEN_KERNEL_CONFIGS` names, else from a
-table committed as `kernels/configs/<gpu name>.json`, else DEFAULTS (picked from sm_90 register
-counts, `python -m kernels.compile_check`, not timings). The tuner (`scripts/gpu_check.py` runs it)
-never writes into the checkout: it writes a table wherever it is told, to be named when wanted.
+"""The tuner of the attention kernels' tile sizes (kernels.tile_configs holds the tables a launch
+reads). It never writes into the checkout: it writes a table wherever it is told, to be named when wanted.
 
 Tuning one kernel at one serving shape (a `TuneCase`) is two phases under one deadline:
 `compile_candidates` builds every candidate config in a pool of processes (each compiles its
@@ -16,11 +11,8 @@ candidate that disagrees may not win), and times it. "No candidate ran" is a res
 
 from __future__ import annotations
 
-import functools
 import json
 import multiprocessing
-import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,88 +20,19 @@ from pathlib import Path
 
 import torch
 
-CONFIG_DIR = Path(__file__).with_name("configs")
-ENV_FILE = "BATCHGEN_KERNEL_CONFIGS"
-
-DEFAULTS = {
-    "decode": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
-    "prefill": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-}
-# what the tuner tries (each must compile within sm_90's shared memory for head dims up to 128:
-# `python -m kernels.compile_check` builds every one)
-CANDIDATES = {
-    "decode": [{"BLOCK_N": n, "num_warps": w, "num_stages": s}
-               for n in (16, 32, 64, 128) for w in (2, 4, 8) for s in (1, 2, 3)],
-    "prefill": [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
-                for m in (32, 64, 128) for n in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)
-                if not (m == 128 and n == 128 and s == 3)],
-}
-
-
-def gpu_name(device: torch.device | str) -> str:
-    """A file-name-safe name of the GPU behind `device` ('cpu' for anything else)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "cpu"
-    return _cuda_name(_index(device))
-
-
-@functools.cache
-def _cuda_name(index: int) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name(index)).strip("_")
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def config_key(kind: str, head_dim: int, dtype: torch.dtype) -> str:
-    """The table entry a launch reads: kernel kind, head dim and dtype."""
-    return f"{kind}/d{head_dim}/{str(dtype).removeprefix('torch.')}"
-
-
-@functools.cache
-def _table(name: str) -> dict:
-    path = os.environ.get(ENV_FILE) or str(CONFIG_DIR / f"{name}.json")
-    try:
-        return json.loads(Path(path).read_text())["configs"]
-    except (OSError, ValueError, KeyError):
-        return {}
-
-
-def lookup(kind: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> dict:
-    """The tuned config for this kernel on this GPU, or the default."""
-    if device.type != "cuda":
-        return DEFAULTS[kind]
-    return _table(gpu_name(device)).get(config_key(kind, head_dim, dtype), DEFAULTS[kind])
-
-
-def decode_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> dict:
-    return lookup("decode", device, head_dim, dtype)
-
-
-def prefill_config(device: torch.device, head_dim: int, dtype: torch.dtype) -> dict:
-    return lookup("prefill", device, head_dim, dtype)
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (a nominal 8 elsewhere: the interpreter)."""
-    if device.type != "cuda":
-        return 8
-    return _num_sms(_index(device))
-
-
-def clear_cache() -> None:
-    """Forget loaded tables (after writing a new one, or changing BATCHGEN_KERNEL_CONFIGS)."""
-    _table.cache_clear()
-
-
-# ---------------------------------------------------------------- the tuner
+from kernels.tile_configs import (  # noqa: F401  (the tables, re-exported for the tuner's callers)
+    CANDIDATES,
+    CONFIG_DIR,
+    DEFAULTS,
+    ENV_FILE,
+    clear_cache,
+    config_key,
+    decode_config,
+    gpu_name,
+    lookup,
+    num_sms,
+    prefill_config,
+)
 
 
 @dataclass(frozen=True)
@@ -165,7 +88,7 @@ class TuneCase:
 
     def mismatch(self, got: torch.Tensor, want: torch.Tensor) -> str | None:
         """Why `got` is not the reference's output within the dtype's tolerance, or None."""
-        from kernels.bench import TOLERANCES
+        from kernels.testing import TOLERANCES
 
         atol, rtol = TOLERANCES[getattr(torch, self.dtype)]
         if got.shape != want.shape:

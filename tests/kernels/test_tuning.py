@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import tuning
+from kernels import tile_configs, tuning
 from tests.kernels.cases import require_triton
 
 require_triton()
@@ -86,7 +86,7 @@ def test_a_table_is_written_where_told_and_read_only_when_named(tmp_path, monkey
     tuned = {"decode/d64/bfloat16": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}}
     path = tuning.write_table("H200", tuned, tmp_path / "H200.json")
     assert path == tmp_path / "H200.json" and not (tuning.CONFIG_DIR / "H200.json").exists()
-    monkeypatch.setattr(tuning, "gpu_name", lambda device: "H200")
+    monkeypatch.setattr(tile_configs, "gpu_name", lambda device: "H200")
     cuda = torch.device("cuda", 0)
     assert tuning.decode_config(cuda, 64, torch.bfloat16) == tuning.DEFAULTS["decode"]
     monkeypatch.setenv(tuning.ENV_FILE, str(path))
