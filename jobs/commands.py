@@ -387,9 +387,9 @@ def _run_claimed(request, config, data_dir: str, output: Path | None, workers: i
 
 
 def _claim_run(request):
-    """Hold this command's run claim (jobs.resume.RunClaim): an identical `run` started at the same time
-    waits here, then resumes the job the first one created."""
-    from jobs.resume import RunClaim, run_fingerprint
+    """Hold this command's run claim (jobs.shards.resume.RunClaim): an identical `run` started at the
+    same time waits here, then resumes the job the first one created."""
+    from jobs.shards.resume import RunClaim, run_fingerprint
     from jobs.spec import InputError
 
     try:
@@ -420,7 +420,7 @@ def _record_engine(manifest, config):
 def _run_job(request):
     """(the job, resumed?): the job this command started before, else a new one on a queue of its own."""
     from jobs.manifest import new_job_id
-    from jobs.resume import find_run_job
+    from jobs.shards.resume import find_run_job
     from jobs.spec import InputError
 
     try:
@@ -513,7 +513,7 @@ def _export(manifest, output: Path) -> None:
 
 
 def _requeue(data_dir: str, job_id: str | None) -> None:
-    from jobs.supervise import requeue_dead_shards
+    from jobs.shards.supervise import requeue_dead_shards
 
     settings = _broker(data_dir, None)
     try:
@@ -550,8 +550,8 @@ def retry(job_id: str, data_dir: str) -> None:
     """Queue the failed shards of a job again (those `batchgen store check --repair` marked for re-run
     included), and its stuck ones (waiting for a worker while the broker holds no message for them);
     completed shards are not redone."""
+    from jobs.shards.supervise import requeue_dead_shards
     from jobs.status import retry_failed_shards, retry_stuck_shards
-    from jobs.supervise import requeue_dead_shards
 
     manifest = _manifest(data_dir, job_id)
     settings = broker_for_job(manifest, data_dir)

@@ -1,7 +1,7 @@
 """`batchgen run`: a whole job on this machine, with no broker server.
 
 Submit to the embedded broker (a queue of the job's own; or, when the same command ran before,
-queue what that job has left: jobs.resume), start worker subprocesses (`batchgen worker`, logs under
+queue what that job has left: jobs.shards.resume), start worker subprocesses (`batchgen worker`, logs under
 the job's directory), show progress from the lease files (rows done / total, tokens/s, ETA: a bar on
 a terminal, else a line every PROGRESS_LOG_S; with `--log-format json` a log record each time),
 re-queue shards of a worker that died, stop the workers when every shard is committed or failed,
@@ -36,10 +36,10 @@ import click
 import engine
 from engine.config import EngineConfig
 from jobs.broker import BROKER_ENV, BrokerSettings
-from jobs.leases import lease_ttl_s
 from jobs.manifest import JobManifest, JobPaths
+from jobs.shards.leases import lease_ttl_s
+from jobs.shards.supervise import JobProgress, hand_back_dead_attempts, job_progress, requeue_dead_shards
 from jobs.store import Store
-from jobs.supervise import JobProgress, hand_back_dead_attempts, job_progress, requeue_dead_shards
 from jobs.worker_main import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class LocalRun:
 
     def _publish(self) -> bool:
         """Queue the job's shards (on a resume: those not committed); False when none is left."""
-        from jobs.resume import JobBusyError, describe_resume, resume_job
+        from jobs.shards.resume import JobBusyError, describe_resume, resume_job
         from jobs.submit import publish_job
 
         if not self.resume:

@@ -31,8 +31,6 @@ from pathlib import Path
 
 import click
 
-from jobs.leases import ShardLeases
-from jobs.ledger import ShardLedger
 from jobs.manifest import (
     JOBS_DIR,
     JobPaths,
@@ -40,6 +38,8 @@ from jobs.manifest import (
     load_manifest,
     rebuild_manifest,
 )
+from jobs.shards.leases import ShardLeases
+from jobs.shards.ledger import ShardLedger
 from jobs.store import (
     DATA_DIR_ENV,
     DEFAULT_DATA_DIR,

@@ -8,7 +8,7 @@ and fill the running set: no static-batching tail at shard boundaries.
 
 Beside the loop, a housekeeping thread keeps each held shard's lease alive (heartbeat with
 progress), aborts the requests of a job whose cancel marker appears, periodically re-queues the
-shards of dead workers (`jobs.supervise.requeue_dead_shards`), and keeps this worker's record
+shards of dead workers (`jobs.shards.supervise.requeue_dead_shards`), and keeps this worker's record
 (`jobs.store.workers`) fresh so the dashboard can tell an idle worker from a gone one.
 
 When the engine itself fails (out of memory, a kernel that does not compile, a device error:
@@ -35,9 +35,9 @@ from engine.faults import describe
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import IterationStats
-from jobs.leases import HEARTBEAT_FRACTION, Lease, lease_ttl_s
 from jobs.manifest import JobManifest
 from jobs.metrics import WorkerMetrics
+from jobs.shards.leases import HEARTBEAT_FRACTION, Lease, lease_ttl_s
 from jobs.store import Store, WorkerRecord, write_worker_record
 
 log = logging.getLogger(__name__)

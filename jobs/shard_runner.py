@@ -6,7 +6,7 @@
 1. skip when the shard is committed (tasks are idempotent), its job was cancelled, or a live attempt
    of it runs elsewhere (a duplicate delivery);
 2. claim the next attempt and open it in the store (`running`), through the shard ledger
-   (jobs.ledger), which writes every transition of the shard's life; this module only orchestrates;
+   (jobs.shards.ledger), which writes every transition of the shard's life; this module only orchestrates;
 3. read the shard file, turn rows into engine requests (bad rows become error rows at once; a text
    prompt goes through the model's chat template as `--apply-chat-template` says; a row with `n`
    samples becomes n requests, seeds derived so a seeded row gives the same samples again), hand
@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from engine.stats import RequestStats
-from jobs.ledger import Claim, ShardLedger
 from jobs.manifest import REQUEST_ID_COLUMN, URL_COLUMN, JobManifest, load_manifest, read_shard
 from jobs.openai_batch import COMPLETIONS_URL, LOGPROB_FLOOR
+from jobs.shards.ledger import Claim, ShardLedger
 from jobs.spec import RowRequest, row_request
 from jobs.store import LOGPROBS_TYPE, ShardAttempt
 

@@ -14,15 +14,15 @@ import time
 import duckdb
 
 from jobs.broker import BrokerSettings
-from jobs.ledger import ShardLedger
 from jobs.manifest import JobManifest, ManifestError, load_manifest
+from jobs.shards.ledger import ShardLedger
+from jobs.shards.supervise import job_progress
 from jobs.store import (
     connect,
     no_worker_warning,
     read_worker_records,
     unreadable_part_message,
 )
-from jobs.supervise import job_progress
 
 log = logging.getLogger(__name__)
 
@@ -265,9 +265,9 @@ def retry_stuck_shards(manifest: JobManifest, broker: BrokerSettings,
     does not hold (on RabbitMQ, which cannot tell: every such shard); their ids. Nothing waits for
     $BATCHGEN_REPUBLISH_AFTER_S here: the user asked (`skip`: shards just re-queued). A duplicate
     message is harmless (one claim runs at a time, the first commit wins)."""
-    from jobs.broker_messages import live_shard_messages
     from jobs.celery_app import publish_shard
-    from jobs.supervise import retries_used, waiting_since
+    from jobs.shards.broker_messages import live_shard_messages
+    from jobs.shards.supervise import retries_used, waiting_since
 
     ledger = ShardLedger(manifest.data_dir, manifest.job_id)
     leases, store = ledger.leases, ledger.store

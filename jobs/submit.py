@@ -20,8 +20,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from jobs.broker import BrokerSettings, shard_timeout_s
-from jobs.ledger import ShardLedger
 from jobs.manifest import JobManifest, JobPaths, ShardWriter, jobs_root, new_job_id, write_manifest
+from jobs.shards.ledger import ShardLedger
 from jobs.spec import (
     CHAT_TEMPLATE_MODES,
     PROMPT_COLUMNS,
@@ -59,7 +59,7 @@ class JobRequest:
     keep_prompt: bool = False  # carry the prompt / messages columns through to `outputs`
     model_given: bool = True  # engine["model"] was asked for (else an OpenAI file's body.model may set it)
     local: bool = False  # the job runs on this machine (`run`): its model must be loadable here
-    fingerprint: str = ""  # what makes a `run` command the same again (jobs.resume)
+    fingerprint: str = ""  # what makes a `run` command the same again (jobs.shards.resume)
 
 
 def prepare_job(req: JobRequest, broker: BrokerSettings) -> JobManifest:

@@ -105,7 +105,7 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
 
     from jobs.celery_app import make_app, worker_options
     from jobs.runtime import WorkerRuntime, set_runtime
-    from jobs.supervise import maintenance
+    from jobs.shards.supervise import maintenance
 
     exit_with_parent()
     app = make_app(settings)
@@ -168,7 +168,7 @@ def _no_backend_to_mark(record: logging.LogRecord) -> bool:
 def _record(config: EngineConfig, settings: BrokerSettings, worker_id: str, concurrency: int):
     from dataclasses import asdict
 
-    from jobs.leases import lease_ttl_s
+    from jobs.shards.leases import lease_ttl_s
     from jobs.store import WorkerRecord
 
     now = time.time()

@@ -15,7 +15,7 @@ Rules:
   create succeeds runs it, so two deliveries of one shard never run at once.
 - A running attempt is alive while its heartbeat is fresh (`ttl_s`) and, on the claimant's own
   host, its process exists. A second delivery that finds a live attempt is dropped: that attempt
-  finishes the shard, or dies and is re-queued by `requeue_dead_shards` (jobs.supervise).
+  finishes the shard, or dies and is re-queued by `requeue_dead_shards` (jobs.shards.supervise).
 - A claimant checks before committing that no newer claim exists (it was presumed dead): if one
   does, it steps aside. The store's "first commit wins" covers the remaining race.
 """
@@ -219,7 +219,7 @@ class ShardLeases:
         return _create_once(self._requeued(shard_id, attempt))
 
 
-    # -- re-publishing a waiting shard whose message was lost (jobs.supervise)
+    # -- re-publishing a waiting shard whose message was lost (jobs.shards.supervise)
     def _republished(self, shard_id: int, since: float) -> Path:
         return self.directory / f"shard-{shard_id:06d}.republished-{int(since * 1000)}"
 

@@ -1,6 +1,6 @@
 """The shard ledger: the one write path of a shard's lifecycle.
 
-A shard's life is written in two places that must agree: the job's lease files (jobs.leases: who
+A shard's life is written in two places that must agree: the job's lease files (jobs.shards.leases: who
 runs which attempt now, is it alive; read by workers, `batchgen run` and the janitor) and the
 store's shard events (jobs.store: what the `shards` and `jobs` views show). Every transition goes
 through one method here, which writes both, always in the same order:
@@ -21,8 +21,8 @@ through one method here, which writes both, always in the same order:
     restore    a committed shard whose lease files are gone gets them back from its commit
 
 Orchestration (when to retry, which shard is dead, who publishes a message) stays with the callers
-(jobs.shard_runner, jobs.supervise, jobs.status, jobs.resume, jobs.submit); none of them writes a
-lease state or a shard event by itself.
+(jobs.shard_runner, jobs.shards.supervise, jobs.status, jobs.shards.resume, jobs.submit); none of them
+writes a lease state or a shard event by itself.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.leases import AttemptView, Lease, LeaseState, ShardLeases
 from jobs.manifest import JobPaths
+from jobs.shards.leases import AttemptView, Lease, LeaseState, ShardLeases
 from jobs.store import CommitRecord, ShardAttempt, ShardEvent, Store
 
 

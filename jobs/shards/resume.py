@@ -26,8 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jobs.broker import BrokerSettings
-from jobs.leases import ShardLeases, pid_running
-from jobs.ledger import ShardLedger
 from jobs.manifest import (
     JobManifest,
     JobPaths,
@@ -37,6 +35,8 @@ from jobs.manifest import (
     load_manifest,
     portable_path,
 )
+from jobs.shards.leases import ShardLeases, pid_running
+from jobs.shards.ledger import ShardLedger
 from jobs.spec import InputError, resolve_input_files
 from jobs.store import Store
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.broker import BrokerSettings
-from jobs.leases import AttemptView, ShardLeases, env_seconds
-from jobs.ledger import ShardLedger
 from jobs.manifest import JobManifest, JobPaths, list_job_ids, load_manifest
+from jobs.shards.leases import AttemptView, ShardLeases, env_seconds
+from jobs.shards.ledger import ShardLedger
 from jobs.store import Store
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ def _republish_lost(manifest: JobManifest, store: Store, broker: BrokerSettings,
     """Publish again each shard that has waited longer than republish_after_s() while the broker
     holds no message for it (flushed, failed over). A duplicate is harmless: one claim runs at a
     time and the first commit wins."""
-    from jobs.broker_messages import live_shard_messages
+    from jobs.shards.broker_messages import live_shard_messages
 
     now, limit = time.time(), republish_after_s()
     stale = {}
@@ -282,7 +282,7 @@ def _give_up_on(manifest: JobManifest, ledger: ShardLedger, view: AttemptView, r
 def hand_back_dead_attempts(manifest: JobManifest, store: Store) -> list[int]:
     """End a job's dead attempts as handed back (their workers were stopped at an interrupt before
     they could) and record their shards queued; the shard ids. No retry is used: the next run of the
-    job queues them again (jobs.resume), and nothing else re-queues an attempt marked here."""
+    job queues them again (jobs.shards.resume), and nothing else re-queues an attempt marked here."""
     ledger = ShardLedger(manifest.data_dir, manifest.job_id, store)
     leases = ledger.leases
     now, handed = time.time(), []

@@ -9,7 +9,7 @@ belongs to a consumer that died holding it (killed between the delivery and the 
 gives it back only after its visibility timeout (the shard timeout, 10 minutes or more), which is
 no reason to wait. Redis and the embedded broker can be read
 without consuming anything; RabbitMQ cannot (a queue shows only counts), so there the answer is
-None: unknown, and jobs.supervise does not re-publish on a guess.
+None: unknown, and jobs.shards.supervise does not re-publish on a guess.
 """
 
 from __future__ import annotations
