@@ -533,7 +533,7 @@ def _requeue(data_dir: str, job_id: str | None) -> None:
 @click.option("--reason", default="cancelled by user", show_default=True)
 def cancel(job_id: str, data_dir: str, reason: str) -> None:
     """Cancel a job: queued shards are skipped, running ones stop; finished rows stay."""
-    from jobs.status import cancel_job
+    from jobs.shards.control import cancel_job
 
     manifest = _manifest(data_dir, job_id)
     if not cancel_job(manifest, reason):
@@ -550,8 +550,8 @@ def retry(job_id: str, data_dir: str) -> None:
     """Queue the failed shards of a job again (those `batchgen store check --repair` marked for re-run
     included), and its stuck ones (waiting for a worker while the broker holds no message for them);
     completed shards are not redone."""
+    from jobs.shards.control import retry_failed_shards, retry_stuck_shards
     from jobs.shards.supervise import requeue_dead_shards
-    from jobs.status import retry_failed_shards, retry_stuck_shards
 
     manifest = _manifest(data_dir, job_id)
     settings = broker_for_job(manifest, data_dir)

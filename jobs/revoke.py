@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 
 from jobs.celery_app import parse_shard_task_id
 from jobs.manifest import load_manifest
-from jobs.status import cancel_job
+from jobs.shards.control import cancel_job
 from jobs.store import Store, StoreError
 
 log = logging.getLogger(__name__)
