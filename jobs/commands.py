@@ -29,8 +29,8 @@ from jobs.broker import (
     BrokerSettings,
     resolve_broker,
 )
+from jobs.input_contract import CHAT_TEMPLATE_MODES
 from jobs.logs import LOG_FORMAT_ENV
-from jobs.spec import CHAT_TEMPLATE_MODES
 from jobs.store import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 # ---------------------------------------------------------------- shared options
@@ -189,7 +189,7 @@ def _output_path(ctx, param, value: str | None) -> Path | None:
 
 
 def _prepare(request, broker: BrokerSettings):
-    from jobs.spec import InputError
+    from jobs.input_contract import InputError
     from jobs.submit import prepare_job
 
     try:
@@ -389,8 +389,8 @@ def _run_claimed(request, config, data_dir: str, output: Path | None, workers: i
 def _claim_run(request):
     """Hold this command's run claim (jobs.shards.resume.RunClaim): an identical `run` started at the
     same time waits here, then resumes the job the first one created."""
+    from jobs.input_contract import InputError
     from jobs.shards.resume import RunClaim, run_fingerprint
-    from jobs.spec import InputError
 
     try:
         request.fingerprint = run_fingerprint(request)
@@ -419,9 +419,9 @@ def _record_engine(manifest, config):
 
 def _run_job(request):
     """(the job, resumed?): the job this command started before, else a new one on a queue of its own."""
+    from jobs.input_contract import InputError
     from jobs.manifest import new_job_id
     from jobs.shards.resume import find_run_job
-    from jobs.spec import InputError
 
     try:
         found = find_run_job(request.data_dir, request.fingerprint, request.job_id)

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from engine.stats import RequestStats
+from jobs.input_contract import RowRequest, row_request
 from jobs.manifest import REQUEST_ID_COLUMN, URL_COLUMN, JobManifest, load_manifest, read_shard
 from jobs.openai_batch import COMPLETIONS_URL, LOGPROB_FLOOR
 from jobs.shards.ledger import Claim, ShardLedger
-from jobs.spec import RowRequest, row_request
 from jobs.store import LOGPROBS_TYPE, ShardAttempt
 
 if TYPE_CHECKING:

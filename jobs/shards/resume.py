@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jobs.broker import BrokerSettings
+from jobs.input_contract import InputError, resolve_input_files
 from jobs.manifest import (
     JobManifest,
     JobPaths,
@@ -37,7 +38,6 @@ from jobs.manifest import (
 )
 from jobs.shards.leases import ShardLeases, pid_running
 from jobs.shards.ledger import ShardLedger
-from jobs.spec import InputError, resolve_input_files
 from jobs.store import Store
 
 # engine settings that change what a job generates (the rest only change how fast)
