@@ -21,7 +21,7 @@ through one method here, which writes both, always in the same order:
     restore    a committed shard whose lease files are gone gets them back from its commit
 
 Orchestration (when to retry, which shard is dead, who publishes a message) stays with the callers
-(jobs.shard_runner, jobs.shards.supervise, jobs.status, jobs.shards.resume, jobs.submit); none of them
+(jobs.shard_runner, jobs.shards.supervise, jobs.shards.control, jobs.shards.resume, jobs.submit); none of them
 writes a lease state or a shard event by itself.
 """
 
