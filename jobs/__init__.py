@@ -7,7 +7,8 @@
     embedded_broker.py a kombu transport over SQLite with a visibility timeout (no server needed)
     celery_app.py      the Celery app and its one thin task, run_shard
     shard_runner.py    process_shard: skip / claim / run / commit / retry one shard delivery
-    runtime.py         WorkerRuntime: the engine loop thread, heartbeats, cancel, janitor
+    engine_loop.py     EngineLoop: the one thread that owns a worker's engine, fed by every shard
+    worker_runtime.py  WorkerRuntime: the engine loop, heartbeats, cancel, the janitor, engine faults
     shards/            a shard's life: ShardState, leases, the ledger, supervision (progress, dead
                        workers, lost messages), broker messages, resume, cancel / retry
     worker_main.py     `batchgen worker`: engine + Celery threads-pool worker, warm shutdown

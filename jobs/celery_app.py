@@ -129,8 +129,8 @@ def run_shard(self, job_id: str, shard_id: int, shard_path: str | None = None, d
     """Run one shard in this worker's engine; retry it with backoff when it fails. The job is read from
     the worker's own data dir (`shard_path` and `data_dir`, which messages of older batchgen versions
     carry, are ignored: they may name another host's mount point)."""
-    from jobs.runtime import current_runtime
     from jobs.shard_runner import ShardTask, process_shard
+    from jobs.worker_runtime import current_runtime
 
     runtime = current_runtime()
     task = ShardTask(job_id, shard_id, str(runtime.data_dir), retries=self.request.retries)

@@ -35,7 +35,8 @@ from jobs.shards.ledger import Claim, ShardLedger
 from jobs.store import LOGPROBS_TYPE, ShardAttempt
 
 if TYPE_CHECKING:
-    from jobs.runtime import EngineRequest, ShardRun, WorkerRuntime
+    from jobs.engine_loop import EngineRequest, ShardRun
+    from jobs.worker_runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class ShardPlan:
 
 def plan_requests(rows: list[dict], manifest: JobManifest, key: str, has_chat_template: bool) -> ShardPlan:
     """Engine requests for the rows that can run (n each); row index -> error for those that cannot."""
-    from jobs.runtime import EngineRequest
+    from jobs.engine_loop import EngineRequest
 
     plan = ShardPlan()
     for i, row in enumerate(rows):

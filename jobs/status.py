@@ -65,7 +65,7 @@ ENGINE_FAULTS_WITHIN_S = 86400.0  # `status` reports the engine faults of worker
 
 
 def engine_faults(data_dir: str, now: float | None = None) -> list[dict]:
-    """Workers whose engine failed (jobs.runtime: they handed their shards back and stopped) within
+    """Workers whose engine failed (jobs.worker_runtime: they handed their shards back and stopped) within
     the last ENGINE_FAULTS_WITHIN_S: worker id, host, when, and why."""
     now = time.time() if now is None else now
     return [{"worker_id": r.worker_id, "host": r.host, "ts": r.stopped_ts or r.heartbeat_ts,

@@ -1,7 +1,7 @@
 """`batchgen worker` inside: load the engine once, then consume shard tasks with Celery.
 
 Celery runs with the threads pool so every task thread shares this process's one engine (see
-jobs.runtime). Shutdown: on SIGTERM Celery's warm shutdown waits for the shards in flight to
+jobs.worker_runtime). Shutdown: on SIGTERM Celery's warm shutdown waits for the shards in flight to
 finish and commit; only then is the engine loop stopped. SIGINT (Ctrl-C, or an interrupted
 `batchgen run`) is quicker: the shards in flight are handed back (their running rows aborted, each
 attempt ended "handed back", its message requeued without using a retry), then the same shutdown
@@ -51,8 +51,8 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
     from celery import signals
 
     from jobs.celery_app import make_app, worker_options
-    from jobs.runtime import WorkerRuntime, set_runtime
     from jobs.shards.supervise import maintenance
+    from jobs.worker_runtime import WorkerRuntime, set_runtime
 
     exit_with_parent()
     app = make_app(settings)
