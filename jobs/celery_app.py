@@ -6,9 +6,10 @@ message prefetched per worker thread, retries with exponential backoff up to the
 `max_retries`. Idempotence lives in the shard runner: a committed shard is never generated again.
 
 Publishing (`publish_shard`) goes through `send_task` by name, so `submit`, `status` and `retry`
-never import the engine. A shard task's id names its job and shard (`shard_task_id`), so `celery
-inspect active`, Flower and `celery control revoke` show and take ids a person can read, and a worker
-that hears a revoke knows which job it is about (jobs.revoke).
+never import the engine. A shard task's id names its job and shard
+(`jobs.shards.broker_messages.shard_task_id`), so `celery inspect active`, Flower and `celery control
+revoke` show and take ids a person can read, and a worker that hears a revoke knows which job it is
+about (jobs.revoke).
 
 Celery's own tools: `celery -A jobs.celery_app inspect ping|active|stats|active_queues` and Flower
 use the module attribute `app`, built on first access for the broker in force ($BATCHGEN_BROKER_URL,
@@ -23,7 +24,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import uuid
 
 from celery import Celery
 from celery.exceptions import Reject
@@ -31,6 +31,7 @@ from kombu import Exchange, Queue
 
 import jobs.embedded_broker  # noqa: F401 - registers the embedded transport with kombu
 from jobs.broker import BROKER_ENV, EMBEDDED, BrokerSettings, resolve_broker
+from jobs.shards.broker_messages import shard_task_id
 
 log = logging.getLogger(__name__)
 
@@ -109,19 +110,6 @@ def publish_shard(settings: BrokerSettings, job_id: str, shard_id: int, *, count
                                  task_id=shard_task_id(job_id, shard_id))
 
 
-def shard_task_id(job_id: str, shard_id: int) -> str:
-    """`<job>.shard<N>.<random>`: unique per publication, and readable in `celery inspect` and Flower."""
-    return f"{job_id}.shard{shard_id}.{uuid.uuid4().hex[:12]}"
-
-
-def parse_shard_task_id(task_id: str) -> tuple[str, int] | None:
-    """(job id, shard id) of an id made by `shard_task_id`; None for any other id."""
-    parts = str(task_id).rsplit(".", 2)
-    if len(parts) != 3 or not parts[1].startswith("shard") or not parts[1][5:].isdigit() or not parts[0]:
-        return None
-    return parts[0], int(parts[1][5:])
-
-
 def __getattr__(name: str) -> Celery:
     """`app` (and `celery`): the app for the broker in force, for `celery -A jobs.celery_app ...`."""
     if name not in ("app", "celery"):
@@ -141,8 +129,8 @@ def run_shard(self, job_id: str, shard_id: int, shard_path: str | None = None, d
     """Run one shard in this worker's engine; retry it with backoff when it fails. The job is read from
     the worker's own data dir (`shard_path` and `data_dir`, which messages of older batchgen versions
     carry, are ignored: they may name another host's mount point)."""
-    from jobs.runtime import current_runtime
     from jobs.shard_runner import ShardTask, process_shard
+    from jobs.worker_runtime import current_runtime
 
     runtime = current_runtime()
     task = ShardTask(job_id, shard_id, str(runtime.data_dir), retries=self.request.retries)

@@ -29,8 +29,8 @@ from jobs.broker import (
     BrokerSettings,
     resolve_broker,
 )
+from jobs.input_contract import CHAT_TEMPLATE_MODES
 from jobs.logs import LOG_FORMAT_ENV
-from jobs.spec import CHAT_TEMPLATE_MODES
 from jobs.store import DATA_DIR_ENV, DEFAULT_DATA_DIR
 
 # ---------------------------------------------------------------- shared options
@@ -189,7 +189,7 @@ def _output_path(ctx, param, value: str | None) -> Path | None:
 
 
 def _prepare(request, broker: BrokerSettings):
-    from jobs.spec import InputError
+    from jobs.input_contract import InputError
     from jobs.submit import prepare_job
 
     try:
@@ -387,10 +387,10 @@ def _run_claimed(request, config, data_dir: str, output: Path | None, workers: i
 
 
 def _claim_run(request):
-    """Hold this command's run claim (jobs.resume.RunClaim): an identical `run` started at the same time
-    waits here, then resumes the job the first one created."""
-    from jobs.resume import RunClaim, run_fingerprint
-    from jobs.spec import InputError
+    """Hold this command's run claim (jobs.shards.resume.RunClaim): an identical `run` started at the
+    same time waits here, then resumes the job the first one created."""
+    from jobs.input_contract import InputError
+    from jobs.shards.resume import RunClaim, run_fingerprint
 
     try:
         request.fingerprint = run_fingerprint(request)
@@ -419,9 +419,9 @@ def _record_engine(manifest, config):
 
 def _run_job(request):
     """(the job, resumed?): the job this command started before, else a new one on a queue of its own."""
+    from jobs.input_contract import InputError
     from jobs.manifest import new_job_id
-    from jobs.resume import find_run_job
-    from jobs.spec import InputError
+    from jobs.shards.resume import find_run_job
 
     try:
         found = find_run_job(request.data_dir, request.fingerprint, request.job_id)
@@ -513,7 +513,7 @@ def _export(manifest, output: Path) -> None:
 
 
 def _requeue(data_dir: str, job_id: str | None) -> None:
-    from jobs.supervise import requeue_dead_shards
+    from jobs.shards.supervise import requeue_dead_shards
 
     settings = _broker(data_dir, None)
     try:
@@ -533,7 +533,7 @@ def _requeue(data_dir: str, job_id: str | None) -> None:
 @click.option("--reason", default="cancelled by user", show_default=True)
 def cancel(job_id: str, data_dir: str, reason: str) -> None:
     """Cancel a job: queued shards are skipped, running ones stop; finished rows stay."""
-    from jobs.status import cancel_job
+    from jobs.shards.control import cancel_job
 
     manifest = _manifest(data_dir, job_id)
     if not cancel_job(manifest, reason):
@@ -550,8 +550,8 @@ def retry(job_id: str, data_dir: str) -> None:
     """Queue the failed shards of a job again (those `batchgen store check --repair` marked for re-run
     included), and its stuck ones (waiting for a worker while the broker holds no message for them);
     completed shards are not redone."""
-    from jobs.status import retry_failed_shards, retry_stuck_shards
-    from jobs.supervise import requeue_dead_shards
+    from jobs.shards.control import retry_failed_shards, retry_stuck_shards
+    from jobs.shards.supervise import requeue_dead_shards
 
     manifest = _manifest(data_dir, job_id)
     settings = broker_for_job(manifest, data_dir)

@@ -2,7 +2,7 @@
 
 A file holds one format, decided by its first line: an OpenAI request line (jobs.openai_batch) or a
 plain row (`{"prompt": ..., "id": ..., "max_tokens": ...}`, other keys carried through like extra
-Parquet columns). Either way each line becomes a row with the input columns of jobs.spec, so
+Parquet columns). Either way each line becomes a row with the input columns of jobs.input_contract, so
 everything after (shards, workers, outputs) is the same as for Parquet input.
 
 Errors name the file, the line (1-based) and the field, and come before any shard of the job is
@@ -26,8 +26,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from jobs import openai_batch
-from jobs.manifest import URL_COLUMN
-from jobs.spec import (
+from jobs.input_contract import (
     KNOWN_COLUMNS,
     MAX_CELL_BYTES,
     MAX_JSON_DEPTH,
@@ -36,12 +35,13 @@ from jobs.spec import (
     InputError,
     json_depth,
 )
+from jobs.manifest import URL_COLUMN
 
 BATCH_LINES = 4096
 MESSAGES_TYPE = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 
-# input column -> kind of value it takes (the Parquet kinds of jobs.spec, for JSON values)
+# input column -> kind of value it takes (the Parquet kinds of jobs.input_contract, for JSON values)
 _KINDS = {"id": "id", "prompt": "str", "messages": "messages", **SAMPLING_COLUMNS}
 _ARROW = {"id": pa.string(), "str": pa.string(), "messages": MESSAGES_TYPE, "int": pa.int64(),
           "float": pa.float64(), "bool": pa.bool_(), "stop": pa.list_(pa.string()), "logprobs": pa.bool_(),

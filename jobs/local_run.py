@@ -1,7 +1,7 @@
 """`batchgen run`: a whole job on this machine, with no broker server.
 
 Submit to the embedded broker (a queue of the job's own; or, when the same command ran before,
-queue what that job has left: jobs.resume), start worker subprocesses (`batchgen worker`, logs under
+queue what that job has left: jobs.shards.resume), start worker subprocesses (`batchgen worker`, logs under
 the job's directory), show progress from the lease files (rows done / total, tokens/s, ETA: a bar on
 a terminal, else a line every PROGRESS_LOG_S; with `--log-format json` a log record each time),
 re-queue shards of a worker that died, stop the workers when every shard is committed or failed,
@@ -12,7 +12,7 @@ SIGINT reaches only this process) gets one SIGINT, aborts its running rows and g
 within seconds; then the run prints where the job stands and the command that resumes it (or, if
 the job finished meanwhile, the summary and `--output` as usual). A run killed outright (SIGKILL, OOM)
 leaves no worker behind either: each watches its parent and hands its shards back when the run is
-gone (jobs.worker_main.exit_with_parent); the same command then resumes the job.
+gone (jobs.parent_watch.exit_with_parent); the same command then resumes the job.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ import click
 import engine
 from engine.config import EngineConfig
 from jobs.broker import BROKER_ENV, BrokerSettings
-from jobs.leases import lease_ttl_s
 from jobs.manifest import JobManifest, JobPaths
+from jobs.parent_watch import PARENT_PID_ENV
+from jobs.shards.leases import lease_ttl_s
+from jobs.shards.state import ShardState
+from jobs.shards.supervise import JobProgress, hand_back_dead_attempts, job_progress, requeue_dead_shards
 from jobs.store import Store
-from jobs.supervise import JobProgress, hand_back_dead_attempts, job_progress, requeue_dead_shards
-from jobs.worker_main import PARENT_PID_ENV
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class LocalRun:
 
     def _publish(self) -> bool:
         """Queue the job's shards (on a resume: those not committed); False when none is left."""
-        from jobs.resume import JobBusyError, describe_resume, resume_job
+        from jobs.shards.resume import JobBusyError, describe_resume, resume_job
         from jobs.submit import publish_job
 
         if not self.resume:
@@ -287,8 +288,8 @@ def _interrupt_on(*signals: int) -> Iterator[None]:
 def describe_interrupted(progress: JobProgress) -> str:
     """Where an interrupted job stands, from its lease files (the truth, not a guess)."""
     total = len(progress.shards)
-    committed, failed = progress.count("committed"), progress.count("failed")
-    rows = sum(s.num_requests for s in progress.shards if s.state == "committed")
+    committed, failed = progress.count(ShardState.COMMITTED), progress.count(ShardState.FAILED)
+    rows = sum(s.num_requests for s in progress.shards if s.state is ShardState.COMMITTED)
     rest = total - committed - failed
     return (f"job {progress.job_id}: interrupted with {committed} of {total} shard(s) committed "
             f"({rows} of {progress.num_requests} rows), {failed} failed, {rest} queued to run")
@@ -333,8 +334,9 @@ class _Bar:
 
     def show(self, progress: JobProgress, gen_start: float | None) -> None:
         self.bar.n = progress.rows_done
+        done = progress.count(ShardState.COMMITTED)
         self.bar.set_postfix_str(f"{_tok_s(progress, gen_start):.1f} tok/s, shards "
-                                 f"{progress.count('committed')}/{len(progress.shards)}", refresh=False)
+                                 f"{done}/{len(progress.shards)}", refresh=False)
         self.bar.refresh()
 
     def close(self) -> None:
@@ -376,7 +378,7 @@ def progress_line(progress: JobProgress, gen_start: float | None) -> str:
     eta = ""
     if done and elapsed > 0 and done < total:
         eta = f", ETA {_duration(elapsed / done * (total - done))}"
-    shards = f"{progress.count('committed')}/{len(progress.shards)}"
+    shards = f"{progress.count(ShardState.COMMITTED)}/{len(progress.shards)}"
     return (f"{time.strftime('%H:%M:%S')} {progress.job_id}: {done}/{total} rows "
             f"({100.0 * done / max(total, 1):.0f}%), shards {shards} committed, "
             f"{progress.count('running')} running, {_tok_s(progress, gen_start):.1f} tok/s{eta}")
@@ -397,7 +399,7 @@ def _log_progress(progress: JobProgress, gen_start: float | None) -> None:
     fields = {"job_id": progress.job_id, "rows_done": progress.rows_done,
               "num_requests": progress.num_requests,
               "output_tokens_per_s": round(_tok_s(progress, gen_start), 2),
-              "shards_committed": progress.count("committed"), "num_shards": len(progress.shards)}
+              "shards_committed": progress.count(ShardState.COMMITTED), "num_shards": len(progress.shards)}
     log.info("job %(job_id)s: %(rows_done)d/%(num_requests)d rows, %(output_tokens_per_s).1f tok/s, "
              "shards %(shards_committed)d/%(num_shards)d", fields, extra=fields)
 

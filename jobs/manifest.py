@@ -2,7 +2,7 @@
 
     DATA_DIR/jobs/<job_id>/manifest.json        what was submitted (written once, atomically)
     DATA_DIR/jobs/<job_id>/shards/shard-000003.parquet
-    DATA_DIR/jobs/<job_id>/leases/...           attempt claims and heartbeats (jobs.leases)
+    DATA_DIR/jobs/<job_id>/leases/...           attempt claims and heartbeats (jobs.shards.leases)
     DATA_DIR/jobs/<job_id>/cancel_requested     present once `batchgen cancel` ran (workers stat it)
 
 A shard file holds its input rows unchanged (every column, so extra columns keep their types) plus
@@ -72,7 +72,7 @@ class JobManifest:
     extra: dict = field(default_factory=dict)  # free-form (e.g. who submitted)
     input_format: str = "parquet"  # parquet | jsonl (plain rows) | openai (OpenAI Batch request lines)
     apply_chat_template: str = "auto"  # auto | always | never: a text `prompt` through the chat template
-    fingerprint: str = ""  # set by `batchgen run`: the same command again resumes this job (jobs.resume)
+    fingerprint: str = ""  # set by `batchgen run`: the same command again resumes it (jobs.shards.resume)
 
     @property
     def model(self) -> str:

@@ -3,7 +3,7 @@
 In: one line per request, `{"custom_id", "method": "POST", "url", "body"}`, the url
 `/v1/chat/completions` (body `messages`) or `/v1/completions` (body `prompt`), as the OpenAI Batch
 API and `vllm run-batch` take them. `request_values` checks the line's envelope and maps the body
-onto the input column names of jobs.spec (`max_completion_tokens` -> `max_tokens`, a completions
+onto the input column names of jobs.input_contract (`max_completion_tokens` -> `max_tokens`, a completions
 `logprobs` count -> `top_logprobs`, text content parts -> one string); jobs.jsonl_input types them.
 
 Body fields, as OpenAI treats them:

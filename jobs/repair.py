@@ -31,8 +31,6 @@ from pathlib import Path
 
 import click
 
-from jobs.leases import ShardLeases
-from jobs.ledger import ShardLedger
 from jobs.manifest import (
     JOBS_DIR,
     JobPaths,
@@ -40,6 +38,9 @@ from jobs.manifest import (
     load_manifest,
     rebuild_manifest,
 )
+from jobs.shards.leases import ShardLeases
+from jobs.shards.ledger import ShardLedger
+from jobs.shards.state import ShardState
 from jobs.store import (
     DATA_DIR_ENV,
     DEFAULT_DATA_DIR,
@@ -232,7 +233,7 @@ def _leased_committed(root: Path) -> set[tuple[str, int]]:
         leases = ShardLeases(path / "leases")
         for shard_id, attempts in leases.claimed_attempts().items():
             view = leases.view(shard_id, attempts[-1])
-            if view.state is not None and view.state.state == "committed":
+            if view.state is not None and view.state.state is ShardState.COMMITTED:
                 found.add((path.name, shard_id))
     return found
 

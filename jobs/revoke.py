@@ -9,7 +9,7 @@ naming the revoked task.
 How: Celery keeps the revoked ids in each worker's memory (`celery.worker.state.revoked`, shared
 with workers that start later through mingle) and only checks them when a message arrives. Every
 housekeeping tick the worker looks for ids it has not seen yet; a shard task's id names its job
-(`jobs.celery_app.shard_task_id`), so the job is cancelled at once, wherever its messages are.
+(`jobs.shards.broker_messages.shard_task_id`), so the job is cancelled at once, wherever its messages are.
 Ids of other tasks, of jobs this worker's data dir does not hold, and of shards already committed
 (revoking a finished task changes nothing in Celery either) are ignored.
 """
@@ -19,9 +19,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from jobs.celery_app import parse_shard_task_id
 from jobs.manifest import load_manifest
-from jobs.status import cancel_job
+from jobs.shards.broker_messages import parse_shard_task_id
+from jobs.shards.control import cancel_job
 from jobs.store import Store, StoreError
 
 log = logging.getLogger(__name__)

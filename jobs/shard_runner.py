@@ -6,7 +6,7 @@
 1. skip when the shard is committed (tasks are idempotent), its job was cancelled, or a live attempt
    of it runs elsewhere (a duplicate delivery);
 2. claim the next attempt and open it in the store (`running`), through the shard ledger
-   (jobs.ledger), which writes every transition of the shard's life; this module only orchestrates;
+   (jobs.shards.ledger), which writes every transition of the shard's life; this module only orchestrates;
 3. read the shard file, turn rows into engine requests (bad rows become error rows at once; a text
    prompt goes through the model's chat template as `--apply-chat-template` says; a row with `n`
    samples becomes n requests, seeds derived so a seeded row gives the same samples again), hand
@@ -28,14 +28,15 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from engine.stats import RequestStats
-from jobs.ledger import Claim, ShardLedger
+from jobs.input_contract import RowRequest, row_request
 from jobs.manifest import REQUEST_ID_COLUMN, URL_COLUMN, JobManifest, load_manifest, read_shard
 from jobs.openai_batch import COMPLETIONS_URL, LOGPROB_FLOOR
-from jobs.spec import RowRequest, row_request
+from jobs.shards.ledger import Claim, ShardLedger
 from jobs.store import LOGPROBS_TYPE, ShardAttempt
 
 if TYPE_CHECKING:
-    from jobs.runtime import EngineRequest, ShardRun, WorkerRuntime
+    from jobs.engine_loop import EngineRequest, ShardRun
+    from jobs.worker_runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class ShardPlan:
 
 def plan_requests(rows: list[dict], manifest: JobManifest, key: str, has_chat_template: bool) -> ShardPlan:
     """Engine requests for the rows that can run (n each); row index -> error for those that cannot."""
-    from jobs.runtime import EngineRequest
+    from jobs.engine_loop import EngineRequest
 
     plan = ShardPlan()
     for i, row in enumerate(rows):

@@ -1,4 +1,4 @@
-"""`batchgen status`, `cancel` and `retry`: job and shard progress from the views plus live leases.
+"""`batchgen status`: job and shard progress from the views plus live leases.
 
 The `jobs`, `shards` and `outputs` views say what is committed; lease files add the rows finished
 so far by shards still running. Request counts follow OpenAI Batch's `request_counts`: total,
@@ -8,70 +8,21 @@ completed (stop or length), failed (error rows), plus cancelled.
 from __future__ import annotations
 
 import json
-import logging
 import time
 
-import duckdb
-
-from jobs.broker import BrokerSettings
-from jobs.ledger import ShardLedger
 from jobs.manifest import JobManifest, ManifestError, load_manifest
-from jobs.store import (
-    connect,
-    no_worker_warning,
-    read_worker_records,
-    unreadable_part_message,
-)
-from jobs.supervise import job_progress
-
-log = logging.getLogger(__name__)
-
-# per request (its n samples together): failed if a sample erred, else cancelled if one was cancelled
-REQUEST_OUTCOMES_SQL = """
-SELECT job_id, request_id,
-    CASE WHEN bool_or(finish_reason = 'error') THEN 'failed'
-         WHEN bool_or(finish_reason = 'cancelled') THEN 'cancelled'
-         ELSE 'completed' END AS outcome
-FROM outputs {where} GROUP BY job_id, request_id
-"""
-_COUNTS_SQL = """
-SELECT job_id,
-    count(*) FILTER (WHERE outcome = 'completed') AS completed,
-    count(*) FILTER (WHERE outcome = 'failed') AS failed,
-    count(*) FILTER (WHERE outcome = 'cancelled') AS cancelled
-FROM (""" + REQUEST_OUTCOMES_SQL + """) GROUP BY job_id
-"""
-
-
-def _fetch(con, sql: str, params: list | None = None) -> list[dict]:
-    cur = con.execute(sql, params or [])
-    names = [d[0] for d in cur.description]
-    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-
-
-def _request_counts(total: int, counts: dict | None, unknown: bool = False) -> dict:
-    """OpenAI Batch's request_counts; None for the outcomes when the outputs could not be read."""
-    counts = counts or {}
-    return {"total": total, **{k: None if unknown else counts.get(k, 0) for k in ("completed", "failed",
-                                                                                 "cancelled")}}
-
-
-def _fetch_counts(con, where: str = "", params: list | None = None) -> list[dict] | None:
-    """Request outcome counts, or None (with a warning naming the file) when the outputs are unreadable:
-    the job and shard states still show."""
-    try:
-        return _fetch(con, _COUNTS_SQL.format(where=where), params)
-    except duckdb.Error as exc:
-        log.warning("request counts unknown: %s", unreadable_part_message(str(exc)))
-        return None
+from jobs.request_counts import fetch_counts, fetch_rows, request_counts
+from jobs.shards.state import JOB_ENDED_STATUSES, VIEW_STATUSES, ShardState
+from jobs.shards.supervise import job_progress
+from jobs.store import connect, no_worker_warning, read_worker_records
 
 
 def jobs_status(data_dir: str) -> list[dict]:
     """One row per job: status, request counts, shard counts, rows done (live), tokens."""
     con = connect(data_dir)
     try:
-        jobs = {r["job_id"]: r for r in _fetch(con, "SELECT * FROM jobs ORDER BY submitted_at, job_id")}
-        found = _fetch_counts(con)
+        jobs = {r["job_id"]: r for r in fetch_rows(con, "SELECT * FROM jobs ORDER BY submitted_at, job_id")}
+        found = fetch_counts(con)
         counts = {r["job_id"]: r for r in found or []}
     finally:
         con.close()
@@ -82,7 +33,7 @@ def jobs_status(data_dir: str) -> list[dict]:
         config = json.loads(job["config"] or "{}")
         rows.append({
             "job_id": job_id, "status": job["status"], "model": job["model"],
-            "request_counts": _request_counts(job["num_requests"] or 0, counts.get(job_id), found is None),
+            "request_counts": request_counts(job["num_requests"] or 0, counts.get(job_id), found is None),
             "rows_done": max(live, job["rows_done"] or 0), "num_shards": job["num_shards"],
             "shards_completed": job["shards_completed"], "shards_failed": job["shards_failed"],
             "shards_running": job["shards_running"], "output_tokens": job["output_tokens"],
@@ -95,7 +46,7 @@ def jobs_status(data_dir: str) -> list[dict]:
 
 def queued_shards(job: dict) -> int:
     """Shards of a `jobs` row waiting for a worker (none once the job ended)."""
-    if job["status"] in ("completed", "failed", "cancelled"):
+    if job["status"] in JOB_ENDED_STATUSES:
         return 0
     return (job["num_shards"] or 0) - job["shards_completed"] - job["shards_failed"] - job["shards_running"]
 
@@ -114,7 +65,7 @@ ENGINE_FAULTS_WITHIN_S = 86400.0  # `status` reports the engine faults of worker
 
 
 def engine_faults(data_dir: str, now: float | None = None) -> list[dict]:
-    """Workers whose engine failed (jobs.runtime: they handed their shards back and stopped) within
+    """Workers whose engine failed (jobs.worker_runtime: they handed their shards back and stopped) within
     the last ENGINE_FAULTS_WITHIN_S: worker id, host, when, and why."""
     now = time.time() if now is None else now
     return [{"worker_id": r.worker_id, "host": r.host, "ts": r.stopped_ts or r.heartbeat_ts,
@@ -135,8 +86,8 @@ def _ago(seconds: float) -> str:
     return f"{seconds / 60:.0f} min ago" if seconds < 7200 else f"{seconds / 3600:.0f} h ago"
 
 
-SHARD_STATES = ("completed", "running", "queued", "failed", "cancelled")  # the `shards` view's statuses
-LISTED_STATES = ("running", "failed")  # the shards `status JOB` lists without --shards
+SHARD_STATES = VIEW_STATUSES  # the `shards` view's statuses, in the order they are counted
+LISTED_STATES = (ShardState.RUNNING.view_status, ShardState.FAILED.view_status)  # listed without --shards
 
 
 def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
@@ -144,25 +95,25 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
     only the running and failed ones), with live progress where running."""
     con = connect(manifest.data_dir)
     try:
-        job = _fetch(con, "SELECT * FROM jobs WHERE job_id = ?", [manifest.job_id])
-        shards = _fetch(con, "SELECT * FROM shards WHERE job_id = ? ORDER BY shard_id", [manifest.job_id])
-        counts = _fetch_counts(con, "WHERE job_id = ?", [manifest.job_id])
+        job = fetch_rows(con, "SELECT * FROM jobs WHERE job_id = ?", [manifest.job_id])
+        shards = fetch_rows(con, "SELECT * FROM shards WHERE job_id = ? ORDER BY shard_id", [manifest.job_id])
+        counts = fetch_counts(con, "WHERE job_id = ?", [manifest.job_id])
     finally:
         con.close()
     progress = {s.shard_id: s for s in job_progress(manifest).shards}
     for shard in shards:
         live = progress.get(shard["shard_id"])
-        if shard["status"] == "running" and live is not None:
+        if shard["status"] == ShardState.RUNNING.view_status and live is not None:
             shard["rows_done"], shard["output_tokens"] = live.rows_done, live.output_tokens
     info = dict(job[0]) if job else {"job_id": manifest.job_id, "status": "queued"}
     info.pop("config", None)
-    info["request_counts"] = _request_counts(manifest.num_requests, counts[0] if counts else None,
+    info["request_counts"] = request_counts(manifest.num_requests, counts[0] if counts else None,
                                              counts is None)
     info["shard_counts"] = {state: sum(1 for s in shards if s["status"] == state) for state in SHARD_STATES}
     info["shard_counts"]["total"] = len(manifest.shards)
     info["shards"] = shards if all_shards else [s for s in shards if s["status"] in LISTED_STATES]
     info["all_shards"] = all_shards
-    queued = 0 if info["status"] in ("completed", "failed", "cancelled") else info["shard_counts"]["queued"]
+    queued = 0 if info["status"] in JOB_ENDED_STATUSES else info["shard_counts"]["queued"]
     info["warning"] = no_worker_warning(queued, manifest.queue, manifest.broker,
                                         read_worker_records(manifest.data_dir), time.time())
     info["engine_faults"] = engine_faults(manifest.data_dir)
@@ -224,65 +175,3 @@ def _table(lines: list[tuple[str, ...]]) -> str:
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(lines[0]))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(line, widths, strict=True)).rstrip()
                      for line in lines)
-
-
-# ---------------------------------------------------------------- cancel / retry
-
-
-def cancel_job(manifest: JobManifest, reason: str) -> bool:
-    """Cancel a job: queued shards are skipped, running ones stop within a heartbeat, finished rows stay.
-
-    The cancel marker is what workers act on; the store's cancel request is what the views show.
-    False (and nothing written) when the job was cancelled already.
-    """
-    return ShardLedger(manifest.data_dir, manifest.job_id).cancel_job(reason)
-
-
-
-def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[int]:
-    """Publish again the shards that failed for good, with a fresh retry budget; their ids."""
-    from jobs.celery_app import publish_shard
-
-    ledger = ShardLedger(manifest.data_dir, manifest.job_id)
-    if ledger.cancelled:
-        raise ValueError(f"job {manifest.job_id} was cancelled; its shards are not retried")
-    con = connect(manifest.data_dir)
-    try:
-        failed = [r["shard_id"] for r in _fetch(
-            con, "SELECT shard_id FROM shards WHERE job_id = ? AND status = 'failed' ORDER BY shard_id",
-            [manifest.job_id])]
-    finally:
-        con.close()
-    for shard_id in failed:
-        ledger.queue(shard_id, "retry requested")
-        publish_shard(broker, manifest.job_id, shard_id)
-    return failed
-
-
-def retry_stuck_shards(manifest: JobManifest, broker: BrokerSettings,
-                       skip: set[int] = frozenset()) -> list[int]:
-    """Publish again every shard waiting for a worker with no live attempt whose message the broker
-    does not hold (on RabbitMQ, which cannot tell: every such shard); their ids. Nothing waits for
-    $BATCHGEN_REPUBLISH_AFTER_S here: the user asked (`skip`: shards just re-queued). A duplicate
-    message is harmless (one claim runs at a time, the first commit wins)."""
-    from jobs.broker_messages import live_shard_messages
-    from jobs.celery_app import publish_shard
-    from jobs.supervise import retries_used, waiting_since
-
-    ledger = ShardLedger(manifest.data_dir, manifest.job_id)
-    leases, store = ledger.leases, ledger.store
-    claims = leases.claimed_attempts()
-    live = live_shard_messages(broker, held_within_s=leases.ttl_s) or set()  # held longer: no one runs it
-    stuck = []
-    for info in manifest.shards:
-        attempts = claims.get(info.shard_id, [])
-        since = waiting_since(manifest, leases, info.shard_id, attempts)
-        if since is None or info.shard_id in skip or (manifest.job_id, info.shard_id) in live:
-            continue
-        if store.committed(manifest.job_id, info.shard_id) is not None:
-            continue
-        ledger.take_republish(info.shard_id, time.time())
-        publish_shard(broker, manifest.job_id, info.shard_id,
-                      retries=retries_used(leases, info.shard_id, attempts))
-        stuck.append(info.shard_id)
-    return stuck

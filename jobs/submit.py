@@ -2,7 +2,7 @@
 
 `prepare_job` does everything that can fail on bad input, before any work is queued: it checks the
 model name, reads the input (Parquet, or JSONL through jobs.jsonl_input) file by file and batch by
-batch, checks columns and ids (`jobs.spec`), and writes shard files into a staging directory that
+batch, checks columns and ids (`jobs.input_contract`), and writes shard files into a staging directory that
 becomes DATA_DIR/jobs/<job_id>/ only when the whole input passed. `publish_job` then records the job
 in the store and sends one task per shard.
 """
@@ -20,9 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from jobs.broker import BrokerSettings, shard_timeout_s
-from jobs.ledger import ShardLedger
-from jobs.manifest import JobManifest, JobPaths, ShardWriter, jobs_root, new_job_id, write_manifest
-from jobs.spec import (
+from jobs.input_contract import (
     CHAT_TEMPLATE_MODES,
     PROMPT_COLUMNS,
     InputError,
@@ -36,6 +34,8 @@ from jobs.spec import (
     resolve_input_files,
     sampling_defaults,
 )
+from jobs.manifest import JobManifest, JobPaths, ShardWriter, jobs_root, new_job_id, write_manifest
+from jobs.shards.ledger import ShardLedger
 from jobs.store import JobRecord, Store, StoreError, check_id, new_uid
 
 READ_BATCH_ROWS = 4096
@@ -59,7 +59,7 @@ class JobRequest:
     keep_prompt: bool = False  # carry the prompt / messages columns through to `outputs`
     model_given: bool = True  # engine["model"] was asked for (else an OpenAI file's body.model may set it)
     local: bool = False  # the job runs on this machine (`run`): its model must be loadable here
-    fingerprint: str = ""  # what makes a `run` command the same again (jobs.resume)
+    fingerprint: str = ""  # what makes a `run` command the same again (jobs.shards.resume)
 
 
 def prepare_job(req: JobRequest, broker: BrokerSettings) -> JobManifest:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import duckdb
 
 from jobs.manifest import JobManifest
-from jobs.status import REQUEST_OUTCOMES_SQL
+from jobs.request_counts import REQUEST_OUTCOMES_SQL
 from jobs.store import connect, unreadable_part_message
 
 

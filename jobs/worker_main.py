@@ -1,7 +1,7 @@
 """`batchgen worker` inside: load the engine once, then consume shard tasks with Celery.
 
 Celery runs with the threads pool so every task thread shares this process's one engine (see
-jobs.runtime). Shutdown: on SIGTERM Celery's warm shutdown waits for the shards in flight to
+jobs.worker_runtime). Shutdown: on SIGTERM Celery's warm shutdown waits for the shards in flight to
 finish and commit; only then is the engine loop stopped. SIGINT (Ctrl-C, or an interrupted
 `batchgen run`) is quicker: the shards in flight are handed back (their running rows aborted, each
 attempt ended "handed back", its message requeued without using a retry), then the same shutdown
@@ -18,66 +18,13 @@ import logging
 import os
 import signal
 import socket
-import sys
-import threading
 import time
 
 from engine.config import EngineConfig
 from jobs.broker import EMBEDDED, BrokerSettings
+from jobs.parent_watch import exit_with_parent
 
 log = logging.getLogger(__name__)
-
-PARENT_PID_ENV = "BATCHGEN_PARENT_PID"  # set by `batchgen run` for its workers: exit when it dies
-PARENT_POLL_S = 1.0
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-PARENT_GONE_SIGNAL = signal.SIGUSR2  # the kernel's notice; Celery's worker leaves SIGUSR2 alone
-
-
-def exit_with_parent() -> None:
-    """When `batchgen run` started this worker ($BATCHGEN_PARENT_PID): hand the shards in flight back
-    and exit once the run is gone, even killed with SIGKILL (the worker is in a session of its own,
-    so no signal of the terminal's or the run's reaches it). Linux tells at once (prctl
-    PR_SET_PDEATHSIG); everywhere a thread polls getppid() as well. Either ends in one SIGINT to
-    this process: Celery's warm shutdown, which hands the shards back (`_on_shutdown`)."""
-    raw = os.environ.get(PARENT_PID_ENV)
-    if not raw:
-        return
-    parent, gone = int(raw), threading.Event()
-
-    def parent_gone(*_) -> None:
-        if not gone.is_set():
-            gone.set()
-            log.warning("the `batchgen run` that started this worker (pid %d) is gone; handing the "
-                        "shards in flight back and exiting", parent)
-            os.kill(os.getpid(), signal.SIGINT)
-
-    signal.signal(PARENT_GONE_SIGNAL, parent_gone)
-    _ask_kernel_for(PARENT_GONE_SIGNAL)
-
-    def poll() -> None:
-        while not gone.is_set():
-            if os.getppid() != parent:
-                os.kill(os.getpid(), PARENT_GONE_SIGNAL)  # handled in the main thread, like the kernel's
-                return
-            time.sleep(PARENT_POLL_S)
-
-    threading.Thread(target=poll, name="parent-watch", daemon=True).start()
-
-
-def _ask_kernel_for(sig: int) -> None:
-    """prctl(PR_SET_PDEATHSIG, sig) on Linux; elsewhere (or without libc) the poll alone watches."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); watching the parent by polling",
-                        ctypes.get_errno())
-    except (OSError, AttributeError) as exc:
-        log.warning("prctl is unavailable (%s); watching the parent by polling", exc)
-
 
 def _wake_hub_every_second(sender=None, **_) -> None:
     """With RabbitMQ, Celery's event loop sleeps up to 10 s between timer checks and only then notices
@@ -104,8 +51,8 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
     from celery import signals
 
     from jobs.celery_app import make_app, worker_options
-    from jobs.runtime import WorkerRuntime, set_runtime
-    from jobs.supervise import maintenance
+    from jobs.shards.supervise import maintenance
+    from jobs.worker_runtime import WorkerRuntime, set_runtime
 
     exit_with_parent()
     app = make_app(settings)
@@ -168,7 +115,7 @@ def _no_backend_to_mark(record: logging.LogRecord) -> bool:
 def _record(config: EngineConfig, settings: BrokerSettings, worker_id: str, concurrency: int):
     from dataclasses import asdict
 
-    from jobs.leases import lease_ttl_s
+    from jobs.shards.leases import lease_ttl_s
     from jobs.store import WorkerRecord
 
     now = time.time()

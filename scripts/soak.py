@@ -166,7 +166,7 @@ class _Soak:
     def run(self, plan: list[tuple[float, str]]) -> bool:
         """Serve the job with two workers, doing each planned fault once its fraction of the shards is
         committed; True when every shard committed. A fault the job finished before is recorded as missed."""
-        from jobs.supervise import job_progress
+        from jobs.shards.supervise import job_progress
 
         self.workers = [self._start(), self._start()]
         t0 = time.monotonic()

@@ -7,7 +7,7 @@ atomically on every heartbeat (every lease TTL x 0.2, 6 s by default) and once m
 - alive: heartbeat within `ttl_s` (the worker's lease TTL, recorded in the file);
 - stopped: `stopped_ts` set (a warm shutdown finished);
 - lost: heartbeat older than `ttl_s` and never stopped (killed, out of memory, machine gone): its
-  shards are re-queued by the same TTL (jobs.leases), so the two agree on when a worker is gone.
+  shards are re-queued by the same TTL (jobs.shards.leases), so the two agree on when a worker is gone.
 
 Iteration telemetry cannot say this: an idle worker writes no iterations, and neither does a dead one.
 """

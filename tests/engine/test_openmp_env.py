@@ -10,7 +10,7 @@ import pytest
 import engine
 from jobs.broker import BROKER_ENV
 from jobs.local_run import worker_env
-from jobs.worker_main import PARENT_PID_ENV
+from jobs.parent_watch import PARENT_PID_ENV
 
 PROBE = ("import os, engine; print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'], "
          "','.join(sorted(engine.SET_BY_ENGINE)) or '-')")

@@ -19,8 +19,8 @@ from jobs.broker import resolve_broker
 from jobs.commands import _job_request
 from jobs.commands import run as run_command
 from jobs.manifest import JobManifest, new_job_id
-from jobs.resume import run_fingerprint
 from jobs.shard_runner import ShardTask, process_shard
+from jobs.shards.resume import run_fingerprint
 from jobs.submit import prepare_job, publish_job
 from tests.jobs.helpers import LEASE_TTL_S, MODEL
 

@@ -19,10 +19,10 @@ from jobs import cli as jobs_cli
 from jobs import submit as submit_module
 from jobs.broker import resolve_broker
 from jobs.commands import export, run, submit, worker
+from jobs.input_contract import InputError
 from jobs.local_run import LocalRun
 from jobs.manifest import JobPaths, ShardWriter, list_job_ids
 from jobs.shard_runner import ShardTask, process_shard
-from jobs.spec import InputError
 from jobs.submit import JobRequest, prepare_job, publish_job
 from tests.jobs.helpers import MODEL, outputs_of, worker_runtime, write_prompts
 

@@ -22,7 +22,7 @@ from engine import LLM, SamplingParams
 from engine.loader import tiny_random_checkpoint
 from engine.tokenizer import Tokenizer
 from jobs.broker import resolve_broker
-from jobs.spec import MAX_CELL_BYTES, MAX_JSON_DEPTH, InputError
+from jobs.input_contract import MAX_CELL_BYTES, MAX_JSON_DEPTH, InputError
 from jobs.submit import JobRequest, prepare_job
 from tests.jobs.helpers import MODEL
 

@@ -15,8 +15,8 @@ import pytest
 
 from jobs.manifest import load_manifest
 from jobs.shard_runner import ShardTask, process_shard
+from jobs.shards.supervise import job_progress
 from jobs.store import Layout, catalog
-from jobs.supervise import job_progress
 from tests.faults.datadirs import batchgen, run_args, run_job, write_input
 from tests.jobs.helpers import job_status, query, shards_of, worker_runtime
 

@@ -13,8 +13,8 @@ import pytest
 
 from jobs.broker import resolve_broker
 from jobs.shard_runner import ShardTask, process_shard
+from jobs.shards.supervise import job_progress
 from jobs.submit import JobRequest, prepare_job, publish_job
-from jobs.supervise import job_progress
 from tests.jobs.helpers import (
     MODEL,
     broker_for,

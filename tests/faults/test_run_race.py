@@ -1,6 +1,6 @@
 """Issue 35 item 4: two identical `batchgen run` commands started together share one job.
 
-Job identity is an atomic claim (jobs.resume.RunClaim), not a look-then-create: both processes start
+Job identity is an atomic claim (jobs.shards.resume.RunClaim), not a look-then-create: both processes start
 at once, and writing the job's shards is slowed by 2 s in each so that, without the claim, both would
 look, find no job, and create one each. With it, one creates the job and the other waits for it, then
 resumes it (nothing left to run) and writes the same output.

@@ -44,7 +44,7 @@ def one_torch_thread() -> Iterator[None]:
 def worker_runtime(data_dir: Path, worker_id: str, **config) -> Iterator:
     """An in-process WorkerRuntime over the tiny model on one torch thread, stopped at the end."""
     from engine import EngineConfig
-    from jobs.runtime import WorkerRuntime
+    from jobs.worker_runtime import WorkerRuntime
 
     with one_torch_thread():
         runtime = WorkerRuntime(EngineConfig(model=MODEL, **config), worker_id, data_dir).start()

@@ -13,9 +13,10 @@ from celery.app.utils import find_app
 
 from jobs import celery_app
 from jobs.broker import resolve_broker
-from jobs.celery_app import celery_config, parse_shard_task_id, shard_task_id, worker_options
+from jobs.celery_app import celery_config, worker_options
 from jobs.manifest import JobPaths
 from jobs.revoke import RevokeWatcher
+from jobs.shards.broker_messages import parse_shard_task_id, shard_task_id
 from jobs.store.parts import Store
 from jobs.submit import JobRequest, prepare_job, publish_job
 from tests.jobs.helpers import MODEL, job_status, shards_of, write_prompts

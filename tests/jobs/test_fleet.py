@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs.celery_app import TASK_NAME, make_app, parse_shard_task_id
+from jobs.celery_app import TASK_NAME, make_app
+from jobs.shards.broker_messages import parse_shard_task_id
+from jobs.shards.supervise import job_progress
 from jobs.store.workers import read_worker_records
-from jobs.supervise import job_progress
 from tests.dashboard import test_browser
 from tests.dashboard.test_browser import Page
 from tests.jobs.helpers import (

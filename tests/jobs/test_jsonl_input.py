@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from jobs.broker import resolve_broker
 from jobs.cli import cli
+from jobs.input_contract import InputError
 from jobs.manifest import REQUEST_ID_COLUMN, URL_COLUMN
-from jobs.spec import InputError
 from jobs.submit import JobRequest, prepare_job
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

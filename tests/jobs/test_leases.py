@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from jobs.leases import ShardLeases, pid_running
+from jobs.shards.leases import ShardLeases, pid_running
 
 
 def test_one_claim_at_a_time_and_attempts_count_up(tmp_path):

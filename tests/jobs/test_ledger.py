@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.leases import ShardLeases
-from jobs.ledger import ShardLedger
+from jobs.shards.leases import ShardLeases
+from jobs.shards.ledger import ShardLedger
 from jobs.store import JobRecord, Store
 from tests.jobs.helpers import query, shards_of
 
@@ -102,7 +102,7 @@ def test_cancel_is_written_once_for_workers_and_views(ledger):
 # the write primitives of the lease files and the store's shard lifecycle
 WRITES = {"record_shard_events", "request_cancel", "begin_attempt", "try_claim", "mark_requeued",
           "mark_republished"}
-OWNERS = {"jobs/ledger.py", "jobs/leases.py"}
+OWNERS = {"jobs/shards/ledger.py", "jobs/shards/leases.py"}
 
 
 def test_only_the_ledger_writes_the_shard_lifecycle():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 from jobs.broker import resolve_broker
+from jobs.shards.supervise import maintenance
 from jobs.store import JobRecord, Store, connect
-from jobs.supervise import maintenance
 
 
 def _finished_job(store: Store, job_id: str, rows: int) -> None:

@@ -15,10 +15,10 @@ from engine import EngineConfig
 from engine.stats import IterationStats, RequestStats
 from jobs.broker import resolve_broker
 from jobs.metrics import ITL_BUCKETS, WorkerMetrics
-from jobs.runtime import WorkerRuntime
 from jobs.shard_runner import ShardTask, process_shard
 from jobs.store.workers import WorkerRecord, read_worker_records
 from jobs.submit import JobRequest, prepare_job
+from jobs.worker_runtime import WorkerRuntime
 from tests.jobs.helpers import MODEL, one_torch_thread, query, wait_for, write_prompts
 
 WORKER = "w-metrics"

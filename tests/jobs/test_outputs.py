@@ -19,11 +19,11 @@ from engine import LLM, SamplingParams
 from jobs.broker import resolve_broker
 from jobs.cli import cli
 from jobs.export import ExportError, errors_path, export_job
-from jobs.leases import ShardLeases
 from jobs.manifest import JobPaths, load_manifest, write_manifest
 from jobs.shard_runner import ShardTask, plan_requests, process_shard, sample_seed
+from jobs.shards.leases import ShardLeases
+from jobs.shards.supervise import job_progress
 from jobs.submit import JobRequest, prepare_job
-from jobs.supervise import job_progress
 from tests.jobs.helpers import MODEL, one_torch_thread, outputs_of, query, shards_of, wait_for, worker_runtime
 from tests.jobs.test_jsonl_input import COMPLETIONS, chat, request, write_jsonl
 
@@ -313,8 +313,8 @@ def test_attempts_of_a_killed_worker_are_handed_back_for_it(data_dir, tmp_path):
     """What `batchgen run` does after Ctrl-C for a worker it had to kill inside a long engine step."""
     import subprocess
 
+    from jobs.shards.supervise import hand_back_dead_attempts, retries_used
     from jobs.store.parts import Store
-    from jobs.supervise import hand_back_dead_attempts, retries_used
 
     m = _job(data_dir, _parquet(tmp_path, prompt=["a", "b"]), shard_size=1)
     leases = ShardLeases(JobPaths.of(m.data_dir, m.job_id).leases)

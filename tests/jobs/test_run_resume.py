@@ -17,9 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.leases import ShardLeases, pid_running
 from jobs.manifest import JobPaths, list_job_ids, load_manifest
-from jobs.supervise import job_progress
+from jobs.shards.leases import ShardLeases, pid_running
+from jobs.shards.supervise import job_progress
 from tests.jobs.helpers import LEASE_TTL_S, MODEL, shards_of, wait_for
 
 pytestmark = pytest.mark.slow

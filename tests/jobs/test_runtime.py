@@ -11,10 +11,10 @@ import pytest
 
 from engine import LLM, SamplingParams
 from jobs.broker import resolve_broker
-from jobs.ledger import ShardLedger
+from jobs.engine_loop import EngineRequest, ShardRun
 from jobs.manifest import JobPaths
-from jobs.runtime import EngineRequest, ShardRun
 from jobs.shard_runner import ShardTask, backoff_s, process_shard
+from jobs.shards.ledger import ShardLedger
 from jobs.submit import JobRequest, prepare_job
 from tests.jobs.helpers import MODEL, outputs_of, query, shards_of, wait_for, worker_runtime, write_prompts
 
@@ -155,10 +155,10 @@ def test_a_device_fault_hands_the_shards_back_and_stops_the_worker(data_dir, tmp
     import socket
 
     from engine import EngineConfig
-    from jobs.runtime import WorkerRuntime
+    from jobs.shards.supervise import retries_used
     from jobs.status import engine_faults, render_jobs
     from jobs.store import WorkerRecord, read_worker_records
-    from jobs.supervise import retries_used
+    from jobs.worker_runtime import WorkerRuntime
     from tests.jobs.helpers import one_torch_thread
 
     now, worker_id = time.time(), f"w-fault-{kind}"

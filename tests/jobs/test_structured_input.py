@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from engine.structured_output import Constraint
 from jobs.broker import resolve_broker
 from jobs.cli import cli
-from jobs.spec import InputError, row_request, sampling_defaults
+from jobs.input_contract import InputError, row_request, sampling_defaults
 from jobs.submit import JobRequest, prepare_job
 from tests.jobs.helpers import LEASE_TTL_S, MODEL, query
 

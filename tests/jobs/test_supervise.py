@@ -7,11 +7,11 @@ import sys
 
 from jobs import celery_app
 from jobs.broker import resolve_broker
-from jobs.leases import ShardLeases
 from jobs.manifest import JobPaths
+from jobs.shards.leases import ShardLeases
+from jobs.shards.supervise import job_progress, requeue_dead_shards
 from jobs.store import connect
 from jobs.submit import JobRequest, prepare_job
-from jobs.supervise import job_progress, requeue_dead_shards
 from tests.jobs.helpers import MODEL, write_prompts
 
 

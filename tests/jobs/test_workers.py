@@ -11,10 +11,10 @@ from click.testing import CliRunner
 
 from engine import LLM, SamplingParams
 from jobs.cli import cli
-from jobs.leases import ShardLeases
 from jobs.manifest import JobPaths
+from jobs.shards.leases import ShardLeases
+from jobs.shards.supervise import job_progress
 from jobs.submit import JobRequest, prepare_job, publish_job
-from jobs.supervise import job_progress
 from tests.jobs.helpers import (
     MODEL,
     Worker,

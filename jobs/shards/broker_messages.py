@@ -1,15 +1,20 @@
-"""Which shard messages a broker still holds: the other half of reconciling queued shards.
+"""A shard's messages: their task ids, and which of them a broker still holds.
 
-A message can vanish before any worker claims it (a flushed or failed-over Redis, a deleted embedded
-broker file); its shard would then wait forever. `live_shard_messages` lists the (job, shard) pairs
-a queue still holds, from each message's task id (`jobs.celery_app.shard_task_id`): every ready
+A shard message's task id names its job and shard (`shard_task_id`, read back by
+`parse_shard_task_id`), so `celery inspect`, Flower and a revoke show ids a person can read, and the
+broker's contents can be matched with the shards that wait.
+
+Which messages a broker holds is the other half of reconciling queued shards: a message can vanish
+before any worker claims it (a flushed or failed-over Redis, a deleted embedded broker file); its
+shard would then wait forever. `live_shard_messages` lists the (job, shard) pairs
+a queue still holds, from each message's task id (`shard_task_id`): every ready
 message, and every delivered-but-unacknowledged one delivered within `held_within_s`. A worker
 claims a shard the moment it starts its message, so a message held longer than that with no claim
 belongs to a consumer that died holding it (killed between the delivery and the claim): the broker
 gives it back only after its visibility timeout (the shard timeout, 10 minutes or more), which is
 no reason to wait. Redis and the embedded broker can be read
 without consuming anything; RabbitMQ cannot (a queue shows only counts), so there the answer is
-None: unknown, and jobs.supervise does not re-publish on a guess.
+None: unknown, and jobs.shards.supervise does not re-publish on a guess.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import math
 import os
 import sqlite3
 import time
+import uuid
 from collections.abc import Iterable
 
 from jobs.broker import EMBEDDED, BrokerSettings
@@ -44,14 +50,25 @@ def live_shard_messages(settings: BrokerSettings, held_within_s: float = math.in
 
 
 def _shards_of(messages: Iterable[dict]) -> set[tuple[str, int]]:
-    from jobs.celery_app import parse_shard_task_id
-
     found = set()
     for message in messages:
         parsed = parse_shard_task_id((message.get("headers") or {}).get("id", ""))
         if parsed is not None:
             found.add(parsed)
     return found
+
+
+def shard_task_id(job_id: str, shard_id: int) -> str:
+    """`<job>.shard<N>.<random>`: unique per publication, and readable in `celery inspect` and Flower."""
+    return f"{job_id}.shard{shard_id}.{uuid.uuid4().hex[:12]}"
+
+
+def parse_shard_task_id(task_id: str) -> tuple[str, int] | None:
+    """(job id, shard id) of an id made by `shard_task_id`; None for any other id."""
+    parts = str(task_id).rsplit(".", 2)
+    if len(parts) != 3 or not parts[1].startswith("shard") or not parts[1][5:].isdigit() or not parts[0]:
+        return None
+    return parts[0], int(parts[1][5:])
 
 
 def _embedded_messages(settings: BrokerSettings, delivered_since: float) -> list[dict]:

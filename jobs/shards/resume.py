@@ -26,8 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jobs.broker import BrokerSettings
-from jobs.leases import ShardLeases, pid_running
-from jobs.ledger import ShardLedger
+from jobs.input_contract import InputError, resolve_input_files
 from jobs.manifest import (
     JobManifest,
     JobPaths,
@@ -37,7 +36,8 @@ from jobs.manifest import (
     load_manifest,
     portable_path,
 )
-from jobs.spec import InputError, resolve_input_files
+from jobs.shards.leases import ShardLeases, pid_running
+from jobs.shards.ledger import ShardLedger
 from jobs.store import Store
 
 # engine settings that change what a job generates (the rest only change how fast)

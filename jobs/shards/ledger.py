@@ -1,6 +1,6 @@
 """The shard ledger: the one write path of a shard's lifecycle.
 
-A shard's life is written in two places that must agree: the job's lease files (jobs.leases: who
+A shard's life is written in two places that must agree: the job's lease files (jobs.shards.leases: who
 runs which attempt now, is it alive; read by workers, `batchgen run` and the janitor) and the
 store's shard events (jobs.store: what the `shards` and `jobs` views show). Every transition goes
 through one method here, which writes both, always in the same order:
@@ -21,8 +21,8 @@ through one method here, which writes both, always in the same order:
     restore    a committed shard whose lease files are gone gets them back from its commit
 
 Orchestration (when to retry, which shard is dead, who publishes a message) stays with the callers
-(jobs.shard_runner, jobs.supervise, jobs.status, jobs.resume, jobs.submit); none of them writes a
-lease state or a shard event by itself.
+(jobs.shard_runner, jobs.shards.supervise, jobs.shards.control, jobs.shards.resume, jobs.submit); none of them
+writes a lease state or a shard event by itself.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.leases import AttemptView, Lease, LeaseState, ShardLeases
 from jobs.manifest import JobPaths
+from jobs.shards.leases import AttemptView, Lease, LeaseState, ShardLeases
+from jobs.shards.state import ShardState
 from jobs.store import CommitRecord, ShardAttempt, ShardEvent, Store
 
 
@@ -74,7 +75,7 @@ class ShardLedger:
     def queue_new(self, shards: Iterable[tuple[int, int]]) -> None:
         """A new job's shards, as (shard id, rows): queued for their first attempt."""
         now = time.time()
-        self._events([ShardEvent(self.job_id, shard_id, "queued", now, num_requests=rows)
+        self._events([self._event(shard_id, ShardState.QUEUED, now, num_requests=rows)
                       for shard_id, rows in shards])
 
     def queue(self, shard_id: int, reason: str, *, mark_latest: bool = False) -> None:
@@ -83,8 +84,8 @@ class ShardLedger:
         latest attempt that failed for good ends `requeued`: progress shows the shard waiting."""
         attempts = self.leases.claimed_attempts().get(shard_id, [])
         latest = self.leases.view(shard_id, attempts[-1]) if attempts else None
-        if latest is not None and latest.state is not None and latest.state.state == "failed":
-            Lease(self.leases, shard_id, latest.state).end("requeued", reason)
+        if latest is not None and latest.state is not None and latest.state.state is ShardState.FAILED:
+            Lease(self.leases, shard_id, latest.state).end(ShardState.REQUEUED, reason)
         elif mark_latest and latest is not None:
             self.leases.mark_requeued(shard_id, latest.attempt)
         self._queued_after(shard_id, attempts[-1] if attempts else 0, reason)
@@ -112,37 +113,38 @@ class ShardLedger:
     # -- ends of an attempt held here
     def commit(self, claim: Claim) -> CommitRecord:
         record = claim.attempt.commit()
-        claim.lease.end("committed", rows_done=record.num_outputs, output_tokens=record.output_tokens)
+        claim.lease.end(ShardState.COMMITTED, rows_done=record.num_outputs,
+                        output_tokens=record.output_tokens)
         return record
 
     def step_aside(self, claim: Claim) -> None:
         claim.attempt.fail("superseded: a newer attempt was started while this one was presumed dead")
-        claim.lease.end("superseded")
+        claim.lease.end(ShardState.SUPERSEDED)
 
     def retry(self, claim: Claim, reason: str, delay_s: float) -> None:
         self._close(claim, reason)
-        claim.lease.end("retrying", reason, retry_at=time.time() + delay_s)
+        claim.lease.end(ShardState.RETRYING, reason, retry_at=time.time() + delay_s)
         self._queued_after(claim.lease.shard_id, claim.number, f"retry after: {reason}")
 
     def fail(self, claim: Claim, reason: str) -> None:
         self._close(claim, reason)
-        claim.lease.end("failed", reason)
+        claim.lease.end(ShardState.FAILED, reason)
 
     def hand_back(self, claim: Claim, reason: str) -> None:
         self._close(claim, reason, cancel=True)
-        claim.lease.end("handed_back", reason)
+        claim.lease.end(ShardState.HANDED_BACK, reason)
         self._queued_after(claim.lease.shard_id, claim.number, reason)
 
     # -- ends of an attempt whose worker is gone, written on its behalf
     def give_up_dead(self, view: AttemptView, note: str) -> None:
         """A dead attempt's (taken with `take_dead`) shard fails for good: its workers keep dying."""
-        worker = self._end_for(view, "failed", note)
-        self._events([ShardEvent(self.job_id, view.shard_id, "failed", time.time(), attempt=view.attempt,
-                                 worker_id=worker, error=note)])
+        worker = self._end_for(view, ShardState.FAILED, note)
+        self._events([self._event(view.shard_id, ShardState.FAILED, attempt=view.attempt, worker_id=worker,
+                                  error=note)])
 
     def hand_back_dead(self, view: AttemptView, note: str) -> None:
         """A dead attempt (taken with `take_dead`) ends handed back; its shard is queued, no retry used."""
-        self._end_for(view, "handed_back", note)
+        self._end_for(view, ShardState.HANDED_BACK, note)
         self._queued_after(view.shard_id, view.attempt, note)
 
     # -- cancel
@@ -157,8 +159,8 @@ class ShardLedger:
 
     def skip_cancelled(self, shard_id: int) -> None:
         """A delivery of a cancelled job's shard: the shard ends cancelled without an attempt."""
-        self._events([ShardEvent(self.job_id, shard_id, "cancelled", time.time(),
-                                 error="job cancelled before this shard ran")])
+        self._events([self._event(shard_id, ShardState.CANCELLED,
+                                  error="job cancelled before this shard ran")])
 
     # -- damage
     def lose(self, shard_id: int, reason: str) -> None:
@@ -171,10 +173,9 @@ class ShardLedger:
         latest = self.leases.latest(shard_id)
         attempt = record.attempt if record is not None else 0
         if latest is not None:
-            self._end_for(latest, "failed", reason)
+            self._end_for(latest, ShardState.FAILED, reason)
             attempt = max(attempt, latest.attempt)
-        self._events([ShardEvent(self.job_id, shard_id, "failed", time.time(), attempt=attempt,
-                                 worker_id="", error=reason)])
+        self._events([self._event(shard_id, ShardState.FAILED, attempt=attempt, worker_id="", error=reason)])
 
     def restore(self, shard_id: int, record: CommitRecord) -> bool:
         """Lease files of a committed shard that are gone (deleted, or lost with a copy) written again
@@ -186,7 +187,7 @@ class ShardLedger:
         view = AttemptView(shard_id, attempt, record.committed_ts, None, False)
         self.leases.directory.mkdir(parents=True, exist_ok=True)
         self.leases.claim_file(shard_id, attempt).touch()
-        self._end_for(view, "committed", "lease files restored from the store's commit",
+        self._end_for(view, ShardState.COMMITTED, "lease files restored from the store's commit",
                       worker=record.worker_id)
         return True
 
@@ -196,8 +197,11 @@ class ShardLedger:
             self.store.record_shard_events(events)
 
     def _queued_after(self, shard_id: int, attempt: int, reason: str) -> None:
-        self._events([ShardEvent(self.job_id, shard_id, "queued", time.time(), attempt=attempt + 1,
-                                 error=reason)])
+        self._events([self._event(shard_id, ShardState.QUEUED, attempt=attempt + 1, error=reason)])
+
+    def _event(self, shard_id: int, state: ShardState, ts: float | None = None, **fields) -> ShardEvent:
+        """The store event that moves a shard into `state` (its `ShardState.event`)."""
+        return ShardEvent(self.job_id, shard_id, state.event, time.time() if ts is None else ts, **fields)
 
     @staticmethod
     def _close(claim: Claim, reason: str, cancel: bool = False) -> None:
@@ -208,9 +212,9 @@ class ShardLedger:
         else:
             claim.attempt.fail(reason)
 
-    def _end_for(self, view: AttemptView, state: str, note: str, worker: str = "unknown") -> str:
+    def _end_for(self, view: AttemptView, state: ShardState, note: str, worker: str = "unknown") -> str:
         worker = view.state.worker_id if view.state is not None else worker
-        lease = view.state or LeaseState(worker, "", 0, view.attempt, "running", view.claimed_ts,
+        lease = view.state or LeaseState(worker, "", 0, view.attempt, ShardState.RUNNING, view.claimed_ts,
                                          view.claimed_ts)
         Lease(self.leases, view.shard_id, lease).end(state, note)
         return worker

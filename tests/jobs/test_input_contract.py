@@ -1,4 +1,4 @@
-"""Input validation and sharding (no engine, no broker): jobs.spec, jobs.submit.prepare_job."""
+"""Input validation and sharding (no engine, no broker): jobs.input_contract, jobs.submit.prepare_job."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from jobs.broker import resolve_broker
+from jobs.input_contract import InputError, resolve_input_files, row_request, sampling_defaults
 from jobs.manifest import REQUEST_ID_COLUMN, ROW_COLUMN, JobPaths, load_manifest
-from jobs.spec import InputError, resolve_input_files, row_request, sampling_defaults
 from jobs.submit import JobRequest, prepare_job
 
 

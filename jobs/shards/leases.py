@@ -15,7 +15,7 @@ Rules:
   create succeeds runs it, so two deliveries of one shard never run at once.
 - A running attempt is alive while its heartbeat is fresh (`ttl_s`) and, on the claimant's own
   host, its process exists. A second delivery that finds a live attempt is dropped: that attempt
-  finishes the shard, or dies and is re-queued by `requeue_dead_shards` (jobs.supervise).
+  finishes the shard, or dies and is re-queued by `requeue_dead_shards` (jobs.shards.supervise).
 - A claimant checks before committing that no newer claim exists (it was presumed dead): if one
   does, it steps aside. The store's "first commit wins" covers the remaining race.
 """
@@ -31,14 +31,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from jobs.shards.state import ShardState
 from jobs.store import new_uid
 
 LEASE_TTL_ENV = "BATCHGEN_LEASE_TTL_S"
 DEFAULT_LEASE_TTL_S = 30.0  # a heartbeat older than this means the attempt's worker is gone
 HEARTBEAT_FRACTION = 0.2  # heartbeats are written every ttl * this
-# handed_back: the worker was interrupted and gave the shard back (not a failure; no retry used)
-# requeued: the attempt had failed for good (or its rows were lost), and the shard was queued again
-ENDED = ("committed", "failed", "retrying", "cancelled", "superseded", "skipped", "handed_back", "requeued")
+# the states an attempt ends in (jobs.shards.state): handed_back, the worker was interrupted and gave
+# the shard back (not a failure; no retry used); requeued, the attempt had failed for good (or its
+# rows were lost), and the shard was queued again
+ENDED = tuple(s for s in ShardState if s.ended)
 
 _CLAIM_RE = re.compile(r"^shard-(\d{6})\.a(\d{3,})\.claim$")
 
@@ -80,7 +82,7 @@ class LeaseState:
     host: str  # hostname of the claimant (pid liveness is checked only there)
     pid: int  # process id of the claimant
     attempt: int  # 1, 2, ...
-    state: str  # running, or one of ENDED
+    state: ShardState  # running, or one of ENDED
     started_ts: float  # epoch seconds of the claim
     heartbeat_ts: float  # epoch seconds of the latest heartbeat
     rows_done: int = 0  # rows of the shard finished so far (progress)
@@ -88,9 +90,14 @@ class LeaseState:
     note: str = ""  # why it ended (error text, "job cancelled", ...)
     retry_at: float = 0.0  # state "retrying": when the retry message becomes due (epoch seconds)
 
+    def __post_init__(self) -> None:
+        self.state = ShardState(self.state)  # a lease file holds the string
+        if not self.state.in_lease:
+            raise ValueError(f"{self.state!r} is not a lease state")
+
     def alive(self, now: float, ttl_s: float) -> bool:
         """Running, with a fresh heartbeat and (on this host) a live process."""
-        if self.state != "running":
+        if self.state is not ShardState.RUNNING:
             return False
         if now - self.heartbeat_ts > ttl_s:
             return False
@@ -135,9 +142,9 @@ class AttemptView:
         """Its worker is gone without ending it (or its retry is overdue): the shard needs re-queueing."""
         if self.state is None:
             return now - self.claimed_ts > ttl_s
-        if self.state.state == "retrying":
+        if self.state.state is ShardState.RETRYING:
             return now > self.state.retry_at + ttl_s
-        return self.state.state == "running" and not self.state.alive(now, ttl_s)
+        return self.state.state is ShardState.RUNNING and not self.state.alive(now, ttl_s)
 
 
 class ShardLeases:
@@ -206,7 +213,7 @@ class ShardLeases:
         if not _create_once(self.claim_file(shard_id, attempt)):
             return None  # another delivery claimed it a moment ago
         lease = Lease(self, shard_id, LeaseState(worker_id, socket.gethostname(), os.getpid(), attempt,
-                                                 "running", now, now))
+                                                 ShardState.RUNNING, now, now))
         try:
             lease.write()
         except OSError:  # a full disk: give the attempt number back, or it would look alive for a TTL
@@ -219,7 +226,7 @@ class ShardLeases:
         return _create_once(self._requeued(shard_id, attempt))
 
 
-    # -- re-publishing a waiting shard whose message was lost (jobs.supervise)
+    # -- re-publishing a waiting shard whose message was lost (jobs.shards.supervise)
     def _republished(self, shard_id: int, since: float) -> Path:
         return self.directory / f"shard-{shard_id:06d}.republished-{int(since * 1000)}"
 
@@ -257,7 +264,7 @@ class Lease:
 
     def heartbeat(self, rows_done: int | None = None, output_tokens: int | None = None) -> None:
         with self._lock:
-            if self.state.state != "running":
+            if self.state.state is not ShardState.RUNNING:
                 return  # ended: a late heartbeat must not overwrite the final state
             self._touch(rows_done, output_tokens)
 
@@ -266,10 +273,11 @@ class Lease:
         attempts = self.leases.claimed_attempts().get(self.shard_id, [])
         return bool(attempts) and attempts[-1] > self.attempt
 
-    def end(self, state: str, note: str = "", retry_at: float = 0.0, rows_done: int | None = None,
+    def end(self, state: ShardState, note: str = "", retry_at: float = 0.0, rows_done: int | None = None,
             output_tokens: int | None = None) -> None:
         if state not in ENDED:
-            raise ValueError(f"lease end state must be one of {ENDED}, got {state!r}")
+            raise ValueError(f"lease end state must be one of {[str(s) for s in ENDED]}, got {state!r}")
+        state = ShardState(state)
         with self._lock:
             self.state.state, self.state.note, self.state.retry_at = state, note, retry_at
             self._touch(rows_done, output_tokens)

@@ -1,0 +1,54 @@
+"""Request outcomes as OpenAI Batch's `request_counts` counts them: total, completed (stop or
+length), failed (a sample with an error) and cancelled, read from the `outputs` view. Shared by
+`batchgen status` (jobs.status) and the end-of-run summary (jobs.summary).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import duckdb
+
+from jobs.store import unreadable_part_message
+
+log = logging.getLogger(__name__)
+
+# per request (its n samples together): failed if a sample erred, else cancelled if one was cancelled
+REQUEST_OUTCOMES_SQL = """
+SELECT job_id, request_id,
+    CASE WHEN bool_or(finish_reason = 'error') THEN 'failed'
+         WHEN bool_or(finish_reason = 'cancelled') THEN 'cancelled'
+         ELSE 'completed' END AS outcome
+FROM outputs {where} GROUP BY job_id, request_id
+"""
+OUTCOMES = ("completed", "failed", "cancelled")
+_COUNTS_SQL = """
+SELECT job_id,
+    count(*) FILTER (WHERE outcome = 'completed') AS completed,
+    count(*) FILTER (WHERE outcome = 'failed') AS failed,
+    count(*) FILTER (WHERE outcome = 'cancelled') AS cancelled
+FROM (""" + REQUEST_OUTCOMES_SQL + """) GROUP BY job_id
+"""
+
+
+def fetch_rows(con, sql: str, params: list | None = None) -> list[dict]:
+    """A query's rows as dicts."""
+    cur = con.execute(sql, params or [])
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+def request_counts(total: int, counts: dict | None, unknown: bool = False) -> dict:
+    """OpenAI Batch's request_counts; None for the outcomes when the outputs could not be read."""
+    counts = counts or {}
+    return {"total": total, **{k: None if unknown else counts.get(k, 0) for k in OUTCOMES}}
+
+
+def fetch_counts(con, where: str = "", params: list | None = None) -> list[dict] | None:
+    """Request outcome counts per job, or None (with a warning naming the file) when the outputs are
+    unreadable: the job and shard states still show."""
+    try:
+        return fetch_rows(con, _COUNTS_SQL.format(where=where), params)
+    except duckdb.Error as exc:
+        log.warning("request counts unknown: %s", unreadable_part_message(str(exc)))
+        return None
