@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -219,32 +220,102 @@ _COLUMN_KINDS = {"prompt": "str", "messages": "messages", "id": "id", **SAMPLING
 
 
 class RequestIds:
-    """Request ids of a job in input order: the `id` column, else the row number; unique."""
+    """Request ids of a job in input order: the `id` column, else the row number; unique.
 
-    def __init__(self) -> None:
-        self._seen: dict[str, int] = {}  # request id -> input row
+    Nothing is held per row: a null id is refused as its batch is read; ids from an `id` column go to
+    a spill file in `spill_dir` (id, input row, file, row or line), and `check_unique` has DuckDB find
+    the first repeat there once the whole input is read, in bounded memory (spilling to disk past
+    ID_CHECK_MEMORY). Row numbers need no check: they are unique by construction.
+    """
+
+    SPILL_ROWS = 65_536  # ids buffered per row group of the spill file
+
+    def __init__(self, spill_dir: Path) -> None:
+        self.spill_dir = Path(spill_dir)
         self.num_rows = 0  # rows seen so far (the next row's number)
+        self._files: list[tuple[Path, bool]] = []  # (path, positions are JSONL lines)
+        self._writer: pq.ParquetWriter | None = None
+        self._held: list[pa.RecordBatch] = []
+        self._held_rows = 0
 
     def take(self, batch: pa.RecordBatch, path: Path, file_row0: int, lines: list[int] | None = None
-             ) -> list[str]:
-        """Ids of `batch` (rows file_row0.. of `path`, or its `lines` of a JSONL file); raise
-        InputError on a null or duplicate id."""
-        if "id" in batch.schema.names:
-            values = batch.column("id").to_pylist()
-        else:
-            values = list(range(self.num_rows, self.num_rows + batch.num_rows))
-        ids = []
-        for i, value in enumerate(values):
+             ) -> pa.Array:
+        """Ids of `batch` (rows file_row0.. of `path`, or its `lines` of a JSONL file), as strings;
+        raise InputError on a null id (duplicates: `check_unique`)."""
+        n = batch.num_rows
+        if "id" not in batch.schema.names:
+            ids = _arange(self.num_rows, n).cast(pa.string())
+            self.num_rows += n
+            return ids
+        column = batch.column("id")
+        if column.null_count:
+            i = pc.index(column.is_null(), True).as_py()
             where = f"{path} line {lines[i]}" if lines else f"{path} row {file_row0 + i}"
-            if value is None:
-                raise InputError(f"{where}: column 'id' is null; every row needs an id (or drop the column)")
-            rid = str(value)
-            first = self._seen.setdefault(rid, self.num_rows + i)
-            if first != self.num_rows + i:
-                raise InputError(f"{where}: duplicate id {rid!r} (first used by input row {first})")
-            ids.append(rid)
-        self.num_rows += batch.num_rows
+            raise InputError(f"{where}: column 'id' is null; every row needs an id (or drop the column)")
+        ids = column.cast(pa.string())  # an integer id as its decimal text, as str() writes it
+        if not self._files or self._files[-1][0] != path:
+            self._files.append((path, lines is not None))
+        positions = pa.array(lines, pa.int64()) if lines else _arange(file_row0, n)
+        self._spill(pa.record_batch({
+            "id": ids, "row": _arange(self.num_rows, n),
+            "file": pa.array(np.full(n, len(self._files) - 1, np.int32)), "pos": positions}))
+        self.num_rows += n
         return ids
+
+    def _spill(self, batch: pa.RecordBatch) -> None:
+        self._held.append(batch)
+        self._held_rows += batch.num_rows
+        if self._held_rows >= self.SPILL_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._held:
+            return
+        table = pa.Table.from_batches(self._held)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.spill_dir / "ids.parquet", table.schema, compression="lz4",
+                                            use_dictionary=False, write_statistics=False)
+        self._writer.write_table(table)
+        self._held, self._held_rows = [], 0
+
+    def check_unique(self) -> None:
+        """Raise InputError naming the first row whose id an earlier row already used (and that row)."""
+        self._flush()
+        if self._writer is None:
+            return
+        self._writer.close()
+        self._writer = None
+        found = _first_repeat(self.spill_dir / "ids.parquet", self.spill_dir / "duckdb-spill")
+        if found is not None:
+            rid, file, pos, first = found
+            path, is_line = self._files[file]
+            where = f"{path} line {pos}" if is_line else f"{path} row {pos}"
+            raise InputError(f"{where}: duplicate id {rid!r} (first used by input row {first})")
+
+
+def _arange(start: int, n: int) -> pa.Array:
+    return pa.array(np.arange(start, start + n, dtype=np.int64))
+
+
+ID_CHECK_MEMORY = "128MB"  # DuckDB's memory for the duplicate id check; past it, it spills to disk
+
+
+def _first_repeat(ids_file: Path, temp_dir: Path) -> tuple[str, int, int, int] | None:
+    """(id, file, row or line, first input row) of the first row in input order whose id an earlier row
+    used, from a spill file of (id, row, file, pos); None when every id is unique."""
+    import duckdb
+
+    con = duckdb.connect(config={"memory_limit": ID_CHECK_MEMORY, "temp_directory": str(temp_dir),
+                                 "preserve_insertion_order": False})
+    try:
+        source = "read_parquet(?)"
+        return con.execute(
+            f"WITH repeated AS (SELECT id, min(row) AS first FROM {source} GROUP BY id HAVING count(*) > 1) "
+            f"SELECT s.id, s.file, s.pos, r.first FROM {source} s JOIN repeated r "
+            "ON s.id = r.id AND s.row > r.first ORDER BY s.row LIMIT 1",
+            [str(ids_file), str(ids_file)]).fetchone()
+    finally:
+        con.close()
 
 
 def check_sampling_values(batch: pa.RecordBatch, path: Path, file_row0: int,

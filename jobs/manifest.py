@@ -15,6 +15,12 @@ place in the job's directory, and a file the user named inside the data dir (an 
 is written relative to it; files outside it are the user's own and keep their absolute path. So a
 copied or moved data dir reads and writes its own files, never the original's. In memory every path
 is absolute, so any cwd works.
+
+Shards are cut `shard_size` rows at a time in input order, so shard i holds rows i*shard_size.. and
+only the last may be shorter. Version 2 of the manifest therefore lists no shard: `JobManifest.shards`
+is computed from `num_requests` and `shard_size` (a 100M-row job has 390,625 shards; listing them made
+the manifest, and everything that read it, grow with the job). A version 1 manifest lists its shards
+and still reads as written.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -35,7 +43,7 @@ SHARDS_DIR = "shards"  # a job's shard files, in its directory
 ROW_COLUMN = "_bg_row"  # 0-based position of the row in the job's input (input order)
 REQUEST_ID_COLUMN = "_bg_request_id"  # the row's id (the `id` column as text, else the row number)
 URL_COLUMN = "_bg_url"  # OpenAI Batch input only: the request line's url (which endpoint answers it)
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: no shard list (`RegularShards`); 1: every shard listed
 
 
 @dataclass
@@ -57,7 +65,7 @@ class JobManifest:
     inputs: list[str]  # absolute paths of the input files (Parquet or JSONL), in order
     num_requests: int  # input rows
     shard_size: int  # rows per shard (the last may be shorter)
-    shards: list[ShardInfo]
+    shards: Sequence[ShardInfo]  # RegularShards (computed), or a list (a version 1 manifest's)
     engine: dict  # EngineConfig fields the job asked for (workers must serve `engine["model"]`)
     sampling_defaults: dict  # job-level sampling values named as the input columns; rows override them
     queue: str  # broker queue the shard tasks go to
@@ -84,14 +92,18 @@ class JobManifest:
         return self.shards[shard_id]
 
     def to_dict(self) -> dict:
-        """The manifest as written: no data dir, paths inside the data dir relative to it."""
+        """The manifest as written: no data dir, paths inside the data dir relative to it, and no shard
+        list when the shards are the regular cut (always, for a job batchgen submitted)."""
         root = Path(self.data_dir)
-        data = asdict(self)
-        del data["data_dir"]
+        data = json.loads(json.dumps({f.name: getattr(self, f.name) for f in fields(self)  # a deep copy
+                                      if f.name not in ("data_dir", "shards")}))
         data["inputs"] = [portable_path(p, root) for p in self.inputs]
         data["output_path"] = portable_path(self.output_path, root) if self.output_path else ""
-        for shard in data["shards"]:
-            shard["path"] = f"{SHARDS_DIR}/{Path(shard['path']).name}"
+        if _regular(self.shards, self.num_requests, self.shard_size):
+            data["version"] = MANIFEST_VERSION
+        else:  # shards no batchgen cut writes (a hand-made manifest): listed, as version 1 did
+            data["version"] = 1
+            data["shards"] = [{**asdict(s), "path": f"{SHARDS_DIR}/{Path(s.path).name}"} for s in self.shards]
         return data
 
     def to_json(self) -> str:
@@ -104,12 +116,77 @@ class JobManifest:
         root = Path(data_dir).expanduser().resolve()
         data["data_dir"] = str(root)
         paths = JobPaths.of(root, data["job_id"])
-        data["shards"] = [ShardInfo(**{**s, "path": str(paths.shard_file(s["shard_id"]))})
-                          for s in data["shards"]]
+        version = data.get("version", 1)
+        if not isinstance(version, int) or not 1 <= version <= MANIFEST_VERSION:
+            raise ValueError(f"manifest version {version!r}: this batchgen reads versions 1 to "
+                             f"{MANIFEST_VERSION} (a newer batchgen wrote it?)")
+        if "shards" in data:  # version 1 (or shards no regular cut describes)
+            data["shards"] = [ShardInfo(**{**s, "path": str(paths.shard_file(s["shard_id"]))})
+                              for s in data["shards"]]
+        else:
+            data["shards"] = RegularShards(paths, _count(data, "num_requests", 0),
+                                           _count(data, "shard_size", 1))
         data["inputs"] = [str(resolve_portable(p, root)) for p in data["inputs"]]
         if data.get("output_path"):
             data["output_path"] = str(resolve_portable(data["output_path"], root))
         return cls(**data)
+
+
+class RegularShards(Sequence[ShardInfo]):
+    """A job's shards as submit cuts them: `shard_size` rows each in input order, the last shorter;
+    each ShardInfo made when asked for (nothing held per shard)."""
+
+    def __init__(self, paths: JobPaths, num_requests: int, shard_size: int) -> None:
+        self.paths, self.num_requests, self.shard_size = paths, num_requests, shard_size
+
+    def __len__(self) -> int:
+        return -(-self.num_requests // self.shard_size)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(f"shard {index} out of range (the job has {n})")
+        first = index * self.shard_size
+        return ShardInfo(index, str(self.paths.shard_file(index)),
+                         min(self.shard_size, self.num_requests - first), first)
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, RegularShards):
+            return (self.paths, self.num_requests, self.shard_size) == (
+                other.paths, other.num_requests, other.shard_size)
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"RegularShards({len(self)} of {self.shard_size} rows, {self.num_requests} rows)"
+
+
+def _regular(shards: Sequence[ShardInfo], num_requests: int, shard_size: int) -> bool:
+    """Whether `shards` are the regular cut of `num_requests` rows (paths in the job's shard dir)."""
+    if isinstance(shards, RegularShards):
+        return (shards.num_requests, shards.shard_size) == (num_requests, shard_size)
+    if shard_size < 1 or len(shards) != -(-num_requests // shard_size):
+        return False
+    for i, s in enumerate(shards):
+        want = min(shard_size, num_requests - i * shard_size)
+        if (s.shard_id, s.first_row, s.num_requests) != (i, i * shard_size, want) or \
+                Path(s.path).name != f"shard-{i:06d}.parquet":
+            return False
+    return True
+
+
+def _count(data: dict, key: str, least: int) -> int:
+    value = data.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{key!r} must be an integer >= {least}, got {value!r}")
+    return value
 
 
 def portable_path(path: str | os.PathLike, root: Path) -> str:
@@ -233,18 +310,19 @@ def new_job_id(now: float) -> str:
 
 
 class ShardWriter:
-    """Cuts a stream of input batches into shard files of `shard_size` rows, in input order."""
+    """Cuts a stream of input batches into shard files of `shard_size` rows, in input order (the
+    regular cut `RegularShards` describes); holds at most one shard's rows."""
 
     def __init__(self, directory: Path, shard_size: int) -> None:
         self.directory = directory
         self.shard_size = shard_size
-        self.shards: list[ShardInfo] = []  # written so far (paths under `directory`)
+        self.num_shards = 0  # written so far
         self._pending: list[pa.RecordBatch] = []
         self._pending_rows = 0
         self._next_row = 0
 
-    def add(self, batch: pa.RecordBatch, request_ids: list[str]) -> None:
-        rows = pa.array(range(self._next_row, self._next_row + batch.num_rows), pa.int64())
+    def add(self, batch: pa.RecordBatch, request_ids: pa.Array | list[str]) -> None:
+        rows = pa.array(np.arange(self._next_row, self._next_row + batch.num_rows, dtype=np.int64))
         batch = batch.append_column(ROW_COLUMN, rows)
         batch = batch.append_column(REQUEST_ID_COLUMN, pa.array(request_ids, pa.string()))
         self._next_row += batch.num_rows
@@ -256,18 +334,17 @@ class ShardWriter:
             if self._pending_rows == self.shard_size:
                 self._write()
 
-    def close(self) -> list[ShardInfo]:
+    def close(self) -> int:
+        """Write the last (shorter) shard; the number of shards."""
         if self._pending_rows:
             self._write()
-        return self.shards
+        return self.num_shards
 
     def _write(self) -> None:
-        shard_id = len(self.shards)
         table = pa.Table.from_batches(self._pending)
-        path = self.directory / f"shard-{shard_id:06d}.parquet"
+        path = self.directory / f"shard-{self.num_shards:06d}.parquet"
         pq.write_table(table, path, compression="zstd")
-        first_row = table.column(ROW_COLUMN)[0].as_py()
-        self.shards.append(ShardInfo(shard_id, str(path), table.num_rows, first_row))
+        self.num_shards += 1
         self._pending, self._pending_rows = [], 0
 
 

@@ -34,11 +34,20 @@ from jobs.input_contract import (
     resolve_input_files,
     sampling_defaults,
 )
-from jobs.manifest import JobManifest, JobPaths, ShardWriter, jobs_root, new_job_id, write_manifest
+from jobs.manifest import (
+    JobManifest,
+    JobPaths,
+    RegularShards,
+    ShardWriter,
+    jobs_root,
+    new_job_id,
+    write_manifest,
+)
 from jobs.shards.ledger import ShardLedger
 from jobs.store import JobRecord, Store, StoreError, check_id, new_uid
 
 READ_BATCH_ROWS = 4096
+QUEUED_EVENTS_PER_PART = 65_536  # a new job's `queued` shard events are written this many a part
 
 
 @dataclass
@@ -139,16 +148,15 @@ def _write_shards(req: JobRequest, files: list[Path], staging: Path, data_dir: s
     shards_dir = staging / "shards"
     shards_dir.mkdir()
     writer = ShardWriter(shards_dir, req.shard_size)
-    ids = RequestIds()
+    ids = RequestIds(staging)
     read = _Read(max_n=defaults.get("n", 1))
     for path in files:
         _take_file(_open_input(path), read, writer, ids)
-    shards = writer.close()
+    writer.close()
     if ids.num_rows == 0:
         raise InputError(f"input {req.source!r} has no rows")
-    final = JobPaths.of(data_dir, job_id)
-    for shard in shards:
-        shard.path = str(final.shard_file(shard.shard_id))
+    ids.check_unique()
+    shards = RegularShards(JobPaths.of(data_dir, job_id), ids.num_rows, req.shard_size)
     engine = {**req.engine, "model": _job_model(req, read)}
     max_tokens = defaults.get("max_tokens", 16)
     carried = [c for c in PROMPT_COLUMNS if c in read.schema.schema.names] if req.keep_prompt else []
@@ -232,8 +240,10 @@ def publish_job(manifest: JobManifest, broker: BrokerSettings) -> None:
 
     store = Store(manifest.data_dir)
     store.record_job(job_record(manifest))
-    ShardLedger(manifest.data_dir, manifest.job_id, store).queue_new(
-        (s.shard_id, s.num_requests) for s in manifest.shards)
+    ledger = ShardLedger(manifest.data_dir, manifest.job_id, store)
+    for start in range(0, len(manifest.shards), QUEUED_EVENTS_PER_PART):  # memory bounded by a part
+        ledger.queue_new((s.shard_id, s.num_requests)
+                         for s in manifest.shards[start:start + QUEUED_EVENTS_PER_PART])
     for shard in manifest.shards:
         publish_shard(broker, manifest.job_id, shard.shard_id)
 
@@ -248,5 +258,5 @@ def job_record(manifest: JobManifest) -> JobRecord:
 def job_config_json(manifest: JobManifest) -> str:
     """The `config` column of the `jobs` view: the manifest as written, but the shard list."""
     data = manifest.to_dict()
-    data.pop("shards")
+    data.pop("shards", None)  # listed only for shards no regular cut describes
     return json.dumps(data, sort_keys=True)
