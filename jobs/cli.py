@@ -2,8 +2,8 @@
 
 Each package owns its commands; this module only maps names to them, so `batchgen sql` does not
 import torch and a broken optional piece cannot take the whole CLI down. Commands of the layers above
-jobs (the dashboard) plug in through the `batchgen.commands` entry-point group (pyproject.toml), the
-way Flask's `flask.commands` does: jobs never imports them.
+jobs (`dashboard`; `bench` and `sweep`, the benchmarks) plug in through the `batchgen.commands`
+entry-point group (pyproject.toml), the way Flask's `flask.commands` does: jobs never imports them.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import click
 # name -> "module:attribute" of a click.Command
 COMMANDS: dict[str, str] = {
     "models": "engine.registry:models",
-    "bench": "engine.bench:bench",
-    "sweep": "jobs.sweep:sweep",
     "sql": "jobs.store.cli:sql",
     "store": "jobs.repair:store",
     "run": "jobs.commands:run",
@@ -31,7 +29,7 @@ COMMANDS: dict[str, str] = {
 }
 ENTRY_POINT_GROUP = "batchgen.commands"
 # commands that run for a long time and log as they go: each gets --log-format text|json (jobs.logs)
-LONG_RUNNING = ("run", "worker", "dashboard", "bench", "sweep")
+LONG_RUNNING = ("run", "worker", "dashboard", "sweep")
 
 
 def _targets() -> dict[str, str]:

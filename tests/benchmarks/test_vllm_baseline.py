@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import engine.bench as bench_module
-from engine import vllm_baseline
-from engine.bench import baseline_result, bench, make_workload
+import benchmarks.throughput as bench_module
+from benchmarks import vllm_baseline
+from benchmarks.throughput import baseline_result, bench, make_workload
 from engine.model import PRESETS
 
 
@@ -255,7 +255,7 @@ def test_bench_rounds_alternate_with_vllm_and_report_each(tmp_path, monkeypatch)
     loaded = tmp_path / "loaded"
     fake = _fake_vllm_python(tmp_path, ANSWER, load=f"sleep 0.5; touch {loaded}")
     monkeypatch.setenv(vllm_baseline.VENV_ENV, str(fake))
-    monkeypatch.setattr("engine.bench._hf_dir", lambda model: str(tmp_path))
+    monkeypatch.setattr("benchmarks.throughput._hf_dir", lambda model: str(tmp_path))
     run_engine = bench_module.run_engine
 
     def run_engine_after_vllm_loaded(*a, **kw):  # no timed run may share the CPU with vLLM's load
@@ -299,7 +299,7 @@ def test_default_rounds_alternate_where_a_ratio_is_quoted(baseline, share, round
 
 def test_bench_against_vllm_runs_two_rounds_unless_told(tmp_path, monkeypatch):
     monkeypatch.setenv(vllm_baseline.VENV_ENV, str(_fake_vllm_python(tmp_path, ANSWER)))
-    monkeypatch.setattr("engine.bench._hf_dir", lambda model: str(tmp_path))
+    monkeypatch.setattr("benchmarks.throughput._hf_dir", lambda model: str(tmp_path))
     monkeypatch.setattr(vllm_baseline, "wait_quiet", lambda pid: 0.0)
     flags = ["--model", "tiny-random", "--num-kv-blocks", "64", "--num-requests", "2", "--output-len", "2",
              "--prompt-len", "3", "--baseline", "vllm", "--json"]
@@ -313,7 +313,7 @@ def test_bench_against_vllm_runs_two_rounds_unless_told(tmp_path, monkeypatch):
 def test_bench_gives_vllm_batchgens_prefix_caching(tmp_path, monkeypatch, flag, cached):
     """vLLM's own default is on: left to it, every round after the first replays cached prompts."""
     monkeypatch.setenv(vllm_baseline.VENV_ENV, str(_fake_vllm_python(tmp_path, ANSWER)))
-    monkeypatch.setattr("engine.bench._hf_dir", lambda model: str(tmp_path))
+    monkeypatch.setattr("benchmarks.throughput._hf_dir", lambda model: str(tmp_path))
     monkeypatch.setattr(vllm_baseline, "wait_quiet", lambda pid: 0.0)
     specs = []
     monkeypatch.setattr(vllm_baseline, "make_spec",

@@ -1,9 +1,9 @@
-"""`batchgen bench`: throughput and latency of the engine on a seeded synthetic workload.
+"""`batchgen bench throughput`: throughput and latency of the engine on a seeded synthetic workload.
 
 Prints output tokens/s, processed (prompt + output) tokens/s, model-FLOP utilisation against a GEMM
 peak measured in the same run, TTFT and ITL p50/p99. `--baseline hf` also runs transformers with
 static batching (padded batches, each run to its longest member) on the same workload in the same
-process, `--baseline vllm` vLLM's CPU backend in a subprocess of its own venv (engine/vllm_baseline.py),
+process, `--baseline vllm` vLLM's CPU backend in a subprocess of its own venv (benchmarks/vllm_baseline.py),
 and each prints its ratio. `--constrained-share 0.25` also runs the workload with that share of
 its requests constrained to a JSON schema (structured output), alternating plain and constrained
 runs, and prints the throughput ratio and the time spent filling grammar masks. Numbers, not
@@ -205,9 +205,9 @@ def peak_rss_mb() -> float:
 
 def start_vllm(model_dir: str, workload: Workload, config, warmup: Workload):
     """vLLM's CPU backend loaded and warmed up on the workload in its own venv
-    (engine/vllm_baseline.py): a Session whose round() is one timed run; a ClickException when it
+    (benchmarks/vllm_baseline.py): a Session whose round() is one timed run; a ClickException when it
     cannot start."""
-    from engine import vllm_baseline
+    from benchmarks import vllm_baseline
 
     spec = vllm_baseline.make_spec(model_dir, workload.prompts, workload.output_lens, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.dtype, config.max_model_len,
@@ -323,7 +323,7 @@ def build_llm(config, checkpoint=None):
         raise click.UsageError(str(exc)) from None
 
 
-@click.command()
+@click.command("throughput")
 @engine_options
 @workload_options
 @click.option("--baseline", type=click.Choice(["none", "hf", "vllm", "all"]), default="none",
@@ -375,7 +375,7 @@ def default_rounds(baseline: str, constrained_share: float | None) -> int:
 def alternate(kinds: list, rounds: int) -> list[list[BenchResult]]:
     """`rounds` runs of each kind, round by round (one of each kind, then the next round); per kind,
     its runs in order. Each run starts once this process and its children (vLLM's) are idle."""
-    from engine.vllm_baseline import wait_quiet
+    from benchmarks.vllm_baseline import wait_quiet
 
     runs: list[list[BenchResult]] = [[] for _ in kinds]
     for _ in range(rounds):
