@@ -81,7 +81,11 @@ def cli() -> None:
 def main() -> None:
     """Run the CLI; an error of the environment (a full disk, a read-only or vanished directory) or
     a damaged file of the data dir that no command turned into its own message ends in one line and
-    exit 1, never a traceback."""
+    exit 1, never a traceback. The engine's OpenMP waiting is set first, before any command loads
+    torch (libgomp reads it then)."""
+    from engine.openmp import set_openmp_defaults
+
+    set_openmp_defaults()
     try:
         cli()
     except OSError as exc:

@@ -34,14 +34,14 @@ def test_env_binds_threads_and_drops_our_path(tmp_path):
 
 
 def test_vllm_waits_its_own_way_unless_the_user_chose(monkeypatch, tmp_path):
-    import engine
+    from engine import openmp
 
     python = tmp_path / "bin" / "python"
     ours = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000", "PATH": "/bin"}
-    monkeypatch.setattr(engine, "SET_BY_ENGINE", frozenset({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"}))
+    monkeypatch.setattr(openmp, "SET_BY_ENGINE", frozenset({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"}))
     env = vllm_baseline.subprocess_env(python, 2, ours)
     assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env and env["PATH"] == "/bin"
-    monkeypatch.setattr(engine, "SET_BY_ENGINE", frozenset({"GOMP_SPINCOUNT"}))  # the user set the policy
+    monkeypatch.setattr(openmp, "SET_BY_ENGINE", frozenset({"GOMP_SPINCOUNT"}))  # the user set the policy
     assert vllm_baseline.subprocess_env(python, 2, ours)["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
