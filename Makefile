@@ -52,18 +52,18 @@ test-triton-compat: setup
 # The GPU path end to end on a CUDA machine with nothing installed (PYTHONPATH, the image's own
 # torch and triton): one table, plus JSON and tuned kernel configs in $OUT (or gpu-check-out/).
 gpu-check:
-	PYTHONPATH=$(CURDIR) python3 scripts/gpu_check.py $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(CURDIR) python3 -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 bench: setup
-	$(BATCHGEN) bench --num-requests 128 --prompt-len 16-256 --output-len 8-128 --baseline hf
+	$(BATCHGEN) bench throughput --num-requests 128 --prompt-len 16-256 --output-len 8-128 --baseline hf
 
 # Faults against a real job on Redis (kill -9, a broker flush, a full disk); minutes; not in `make test`
 soak: setup
-	PYTHONPATH=$(CURDIR) $(PY) scripts/soak.py $(SOAK_ARGS)
+	$(BATCHGEN) bench soak $(SOAK_ARGS)
 
-# vLLM's CPU backend in a venv of its own (never part of `make test`), for `batchgen bench --baseline
-# vllm`. Same torch as ours; its torchvision/torchaudio/torchcodec are CUDA builds that fail to load
-# (a text model needs none of them). tcmalloc is optional (LD_PRELOADed by engine/vllm_baseline.py).
+# vLLM's CPU backend in a venv of its own (never part of `make test`), for `batchgen bench throughput
+# --baseline vllm`. Same torch as ours; its torchvision/torchaudio/torchcodec are CUDA builds that fail to load
+# (a text model needs none of them). tcmalloc is optional (LD_PRELOADed by benchmarks/vllm_baseline.py).
 VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/.installed:
 	test -x $(VLLM_VENV)/bin/python || /usr/bin/python3 -m venv $(VLLM_VENV)

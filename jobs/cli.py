@@ -2,8 +2,8 @@
 
 Each package owns its commands; this module only maps names to them, so `batchgen sql` does not
 import torch and a broken optional piece cannot take the whole CLI down. Commands of the layers above
-jobs (the dashboard) plug in through the `batchgen.commands` entry-point group (pyproject.toml), the
-way Flask's `flask.commands` does: jobs never imports them.
+jobs (`dashboard`; `bench` and `sweep`, the benchmarks) plug in through the `batchgen.commands`
+entry-point group (pyproject.toml), the way Flask's `flask.commands` does: jobs never imports them.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import click
 # name -> "module:attribute" of a click.Command
 COMMANDS: dict[str, str] = {
     "models": "engine.registry:models",
-    "bench": "engine.bench:bench",
-    "sweep": "jobs.sweep:sweep",
     "sql": "jobs.store.cli:sql",
     "store": "jobs.repair:store",
     "run": "jobs.commands:run",
@@ -31,7 +29,7 @@ COMMANDS: dict[str, str] = {
 }
 ENTRY_POINT_GROUP = "batchgen.commands"
 # commands that run for a long time and log as they go: each gets --log-format text|json (jobs.logs)
-LONG_RUNNING = ("run", "worker", "dashboard", "bench", "sweep")
+LONG_RUNNING = ("run", "worker", "dashboard", "sweep")
 
 
 def _targets() -> dict[str, str]:
@@ -83,7 +81,11 @@ def cli() -> None:
 def main() -> None:
     """Run the CLI; an error of the environment (a full disk, a read-only or vanished directory) or
     a damaged file of the data dir that no command turned into its own message ends in one line and
-    exit 1, never a traceback."""
+    exit 1, never a traceback. The engine's OpenMP waiting is set first, before any command loads
+    torch (libgomp reads it then)."""
+    from engine.openmp import set_openmp_defaults
+
+    set_openmp_defaults()
     try:
         cli()
     except OSError as exc:

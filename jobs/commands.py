@@ -282,10 +282,11 @@ def _refuse_worker_settings(opts: dict) -> None:
 
 def worker_openmp_wait() -> None:
     """A worker started on its own may share its machine (several workers, other jobs), where OpenMP
-    threads that spin between parallel regions slow every engine on the cores (2.3x measured, see
-    engine/__init__.py): no spin, unless GOMP_SPINCOUNT was set for it, by the user or by `batchgen
-    run` starting it as its only worker (which hands down the engine's spin). Called before torch
-    loads, which is when libgomp reads it."""
+    threads that spin between parallel regions slow every engine on the cores (engine/openmp.py): no
+    spin, unless GOMP_SPINCOUNT was set for it, by the user or by `batchgen run` starting it as its
+    only worker (which hands down the engine's spin). Called before torch loads, which is when libgomp
+    reads it."""
+    engine.set_openmp_defaults()
     engine.no_spin_unless_chosen(os.environ)
 
 

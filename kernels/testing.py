@@ -1,4 +1,4 @@
-"""Random paged-attention inputs, shared by the kernel tests and `python -m kernels.bench`."""
+"""Random paged-attention inputs, shared by the kernel tests and `batchgen bench kernels`."""
 
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The suite runs engines side by side (this process's models beside the workers it starts), where
 # OpenMP threads that spin between parallel regions hold the cores the others need: no spinning
-# (engine/__init__.py spins briefly by default, for an engine alone on its cores). Inherited by the
-# worker processes the tests start.
+# (`batchgen` spins briefly by default, engine/openmp.py, for an engine alone on its cores).
+# Inherited by the worker processes the tests start.
 os.environ.setdefault("GOMP_SPINCOUNT", "0")
 
 # Hypothesis reads no config file, so its profiles live here. In CI (any non-empty $CI) every

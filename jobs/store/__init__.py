@@ -46,8 +46,8 @@ Public API:
 - layout: `DATA_DIR_ENV`, `DEFAULT_DATA_DIR`, `check_id`, `new_uid`, `write_atomic` (`layout.py`); schema
   constants `INTERNAL_PREFIX`, `OUTPUTS`, `LOGPROBS_TYPE` (`schemas.py`); worker heartbeats `WorkerRecord`,
   `read_worker_records`, `write_worker_record`, `no_worker_warning` (`workers.py`).
-- `batchgen sql` (`cli.py`), `python -m jobs.store.bench` (`bench.py`), `python -m jobs.store.loadbench`
-  (the dashboard under 50 concurrent clients while a job writes).
+- `batchgen sql` (`cli.py`). Its benchmarks live in the benchmarks package: `batchgen bench store` (the
+  dashboard's queries) and `batchgen bench dashboard-load` (50 concurrent clients while a job writes).
 
 Everything outside this package imports from here, never from its modules (tests/test_layers.py).
 """

@@ -1,5 +1,5 @@
-"""The OpenMP waiting the engine sets before torch loads (engine/__init__.py) and what `batchgen run`
-hands its workers (jobs.local_run.worker_env)."""
+"""The OpenMP waiting `batchgen` sets before torch loads (engine/openmp.py: nothing at import) and
+what `batchgen run` hands its workers (jobs.local_run.worker_env)."""
 
 import os
 import subprocess
@@ -7,26 +7,45 @@ import sys
 
 import pytest
 
-import engine
+from engine import openmp
 from jobs.broker import BROKER_ENV
 from jobs.local_run import worker_env
 from jobs.parent_watch import PARENT_PID_ENV
 
-PROBE = ("import os, engine; print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'], "
-         "','.join(sorted(engine.SET_BY_ENGINE)) or '-')")
+SHOW = ("print(os.environ.get('OMP_WAIT_POLICY', '-'), os.environ.get('GOMP_SPINCOUNT', '-'), "
+        "','.join(sorted(openmp.SET_BY_ENGINE)) or '-', 'torch' in sys.modules)")
+# `batchgen --version` through the console script's main (click exits when it is done)
+MAIN_PROBE = ("import os, sys; sys.argv = ['batchgen', '--version']; from jobs import cli\n"
+              "try:\n    cli.main()\nexcept SystemExit:\n    pass\nfrom engine import openmp; " + SHOW)
+IMPORT_PROBE = "import os, sys, engine, engine.llm; from engine import openmp; " + SHOW
 
 
-def _import_engine(**env) -> list[str]:
+def _probe(code: str, **env) -> list[str]:
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
                          check=True)
-    return out.stdout.split()
+    return out.stdout.split()[-4:]
 
 
-def test_the_engine_sleeps_after_a_brief_spin_by_default_and_a_users_setting_wins():
-    assert _import_engine() == ["PASSIVE", "20000", "GOMP_SPINCOUNT,OMP_WAIT_POLICY"]
-    assert _import_engine(GOMP_SPINCOUNT="500") == ["PASSIVE", "500", "OMP_WAIT_POLICY"]
-    assert _import_engine(GOMP_SPINCOUNT="500", OMP_WAIT_POLICY="ACTIVE") == ["ACTIVE", "500", "-"]
+def test_batchgen_sleeps_after_a_brief_spin_by_default_set_before_torch_and_a_users_setting_wins():
+    assert _probe(MAIN_PROBE) == ["PASSIVE", "20000", "GOMP_SPINCOUNT,OMP_WAIT_POLICY", "False"]
+    assert _probe(MAIN_PROBE, GOMP_SPINCOUNT="500") == ["PASSIVE", "500", "OMP_WAIT_POLICY", "False"]
+    user = {"GOMP_SPINCOUNT": "500", "OMP_WAIT_POLICY": "ACTIVE"}
+    assert _probe(MAIN_PROBE, **user) == ["ACTIVE", "500", "-", "False"]
+
+
+def test_importing_the_engine_sets_nothing():
+    assert _probe(IMPORT_PROBE) == ["-", "-", "-", "True"]
+
+
+def test_setting_the_defaults_twice_keeps_what_the_first_call_set(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "unset below; restored after the test")
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "7")
+    monkeypatch.setattr(openmp, "SET_BY_ENGINE", frozenset())
+    assert openmp.set_openmp_defaults() == {"OMP_WAIT_POLICY"}
+    assert openmp.set_openmp_defaults() == frozenset()
+    assert openmp.SET_BY_ENGINE == {"OMP_WAIT_POLICY"} and os.environ["GOMP_SPINCOUNT"] == "7"
 
 
 @pytest.mark.parametrize("workers, engine_set_it, given, expected", [
@@ -36,7 +55,7 @@ def test_the_engine_sleeps_after_a_brief_spin_by_default_and_a_users_setting_win
     (2, False, "500", "500"),     # the user's own setting is kept
 ])
 def test_workers_that_share_the_cores_do_not_spin(monkeypatch, workers, engine_set_it, given, expected):
-    monkeypatch.setattr(engine, "SET_BY_ENGINE", frozenset({"GOMP_SPINCOUNT"} if engine_set_it else ()))
+    monkeypatch.setattr(openmp, "SET_BY_ENGINE", frozenset({"GOMP_SPINCOUNT"} if engine_set_it else ()))
     environ = {"HOME": "/x", BROKER_ENV: "redis://elsewhere"}
     if given is not None:
         environ["GOMP_SPINCOUNT"] = given

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from benchmarks import dashboard_load as loadbench
 from dashboard import create_app
-from jobs.store import loadbench
 from jobs.store.parts import Store
 from jobs.store.schemas import JobRecord, ShardEvent
 

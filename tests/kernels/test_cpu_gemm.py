@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.bench import measure_gemm_peaks
+from benchmarks.throughput import measure_gemm_peaks
 from engine.model import PRESETS, Transformer
 from kernels import cpu_gemm, cpu_native, ops
 

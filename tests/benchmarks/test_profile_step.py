@@ -1,10 +1,10 @@
-"""`python -m engine.profile_step` on the tiny random model: it reports the step split and op table."""
+"""`python -m benchmarks.profile_step` on the tiny random model: it reports the step split and op table."""
 
 from __future__ import annotations
 
 from click.testing import CliRunner
 
-from engine.profile_step import main
+from benchmarks.profile_step import main
 
 
 def test_profile_step_reports_the_outside_share_and_top_ops():

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import click
 
-from engine.bench import (
+from benchmarks.throughput import (
     BenchResult,
     Workload,
     build_llm,

@@ -20,7 +20,7 @@ repair did not mark the shard) fails the soak: it would prove nothing. At the en
 job's output rows: every input row must be there exactly once (0 lost, 0 duplicated) and `store
 check` must find the store healthy; exit 0 only then. The figures are printed as one table.
 
-    PYTHONPATH=. python scripts/soak.py [--rows 20000] [--shard-size 200] [--redis redis://127.0.0.1:6379/13]
+    batchgen bench soak [--rows 20000] [--shard-size 200] [--redis redis://127.0.0.1:6379/13]
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ sys.path.insert(0, str(ROOT))
 MODEL = "tiny-random"
 
 
-def main() -> int:
-    args = _args()
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
     rng = random.Random(args.seed)
     base = Path(tempfile.mkdtemp(prefix="batchgen-soak-"))
     data_dir, tmpfs = _data_dir(base, args.tmpfs_mb)
@@ -85,8 +85,9 @@ def main() -> int:
     return 0 if good else 1
 
 
-def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="batchgen bench soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=20000)
     p.add_argument("--shard-size", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=4)
@@ -105,7 +106,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--republish-after", type=float, default=10.0)
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--seed", type=int, default=14)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def _plan(args, tmpfs: bool) -> list[tuple[float, str]]:

@@ -1,13 +1,16 @@
-"""`batchgen bench`: throughput and latency of the engine on a seeded synthetic workload.
+"""`batchgen bench throughput`: throughput and latency of the engine on a seeded synthetic workload.
 
-Prints output tokens/s, processed (prompt + output) tokens/s, model-FLOP utilisation against a GEMM
-peak measured in the same run, TTFT and ITL p50/p99. `--baseline hf` also runs transformers with
-static batching (padded batches, each run to its longest member) on the same workload in the same
-process, `--baseline vllm` vLLM's CPU backend in a subprocess of its own venv (engine/vllm_baseline.py),
-and each prints its ratio. `--constrained-share 0.25` also runs the workload with that share of
-its requests constrained to a JSON schema (structured output), alternating plain and constrained
-runs, and prints the throughput ratio and the time spent filling grammar masks. Numbers, not
-pass/fail: this is not a timed test.
+Prints the machine (CPU model and instruction-set flags), output tokens/s, processed (prompt +
+output) tokens/s, model-FLOP utilisation against a GEMM peak measured in the same run (the lm_head
+counted only for the rows whose logits are computed: request_flops), TTFT and ITL p50/p99, greedy and
+sampled at `batchgen run`'s default temperature 1.0 (`--greedy-only` skips that). `--baseline hf`
+also runs transformers with static batching (padded batches, each run to its longest member) on the
+same workload in the same process, `--baseline vllm` vLLM's CPU backend in a subprocess of its own
+venv (benchmarks/vllm_baseline.py), both greedy, and each prints its ratio to batchgen's greedy run.
+`--constrained-share 0.25` also runs the workload with that share of its requests constrained to a
+JSON schema (structured output), alternating plain and constrained runs, and prints the throughput
+ratio and the time spent filling grammar masks. With `--rounds N` each ratio is given for the
+fastest runs and as the median of the N rounds' ratios. Numbers, not pass/fail: not a timed test.
 """
 
 from __future__ import annotations
@@ -23,8 +26,13 @@ from dataclasses import asdict, dataclass
 
 import click
 
+from benchmarks.machine import describe, machine_info
 from engine.cli_options import engine_config, engine_options
 from engine.sampling_params import SamplingParams
+
+# the sampled kind: `batchgen run`'s default temperature (its rows take the sampler, not the fused argmax)
+SAMPLED_TEMPERATURE = 1.0
+SAMPLED_NAME = f"batchgen-t{SAMPLED_TEMPERATURE:g}"
 
 
 @dataclass
@@ -140,13 +148,24 @@ def measure_gemm_peak(dtype_name: str = "float32", device: str = "cpu", seconds:
     return max(measure_gemm_peaks(dtype_name, device, seconds).values())
 
 
-def _model_flops(args, workload: Workload) -> float:
-    """Forward FLOPs of every processed token, attention at its own context length."""
-    total = 0.0
-    for prompt, n_out in zip(workload.prompts, workload.output_lens, strict=True):
-        n = len(prompt) + n_out
-        total += n * args.flops_per_token(context_len=n // 2)
-    return total
+def request_flops(args, prompt_len: int, output_len: int) -> float:
+    """Forward FLOPs of one request run to output_len tokens: the layers over every token fed to the
+    model (the prompt, then each output token but the last, which is sampled and never fed back), each
+    attending to its own context, and the lm_head only over the output_len rows whose logits are
+    computed (the prefill's last row, then one per decode step), never over the other prompt rows."""
+    head = 2 * args.dim * args.vocab_size  # the lm_head's FLOPs a row (flops_per_token counts one)
+    layers = args.flops_per_token(context_len=0) - head  # a token's projections and MLPs
+    per_key = args.flops_per_token(context_len=1) - args.flops_per_token(context_len=0)  # attention
+    fed = prompt_len + max(output_len - 1, 0)
+    return fed * layers + per_key * fed * (fed + 1) / 2 + output_len * head
+
+
+def _model_flops(args, workload: Workload, output_lens: list[int] | None = None) -> float:
+    """Forward FLOPs of the workload (request_flops); output_lens: the tokens each request actually
+    produced, where known (a constrained request may end before its max_tokens)."""
+    outs = workload.output_lens if output_lens is None else output_lens
+    return sum(request_flops(args, len(prompt), n_out)
+               for prompt, n_out in zip(workload.prompts, outs, strict=True))
 
 
 # the schema of the constrained requests: an extraction record with free text (rows mostly run to
@@ -176,7 +195,7 @@ def run_engine(llm, workload: Workload, peak: float, name: str = "batchgen", tem
     ttft = [o.metrics.ttft_s for o in outs]
     itl = [o.metrics.tpot_s for o in outs if o.metrics.output_tokens > 1]
     e2e = [o.metrics.e2e_s for o in outs]
-    flops = _model_flops(llm.engine.model_args, workload)
+    flops = _model_flops(llm.engine.model_args, workload, [len(o.token_ids) for o in outs])
     return BenchResult(
         name=name, elapsed_s=elapsed, num_requests=len(outs), prompt_tokens=workload.prompt_tokens,
         output_tokens=out_tokens, output_tokens_per_s=out_tokens / elapsed,
@@ -205,9 +224,9 @@ def peak_rss_mb() -> float:
 
 def start_vllm(model_dir: str, workload: Workload, config, warmup: Workload):
     """vLLM's CPU backend loaded and warmed up on the workload in its own venv
-    (engine/vllm_baseline.py): a Session whose round() is one timed run; a ClickException when it
+    (benchmarks/vllm_baseline.py): a Session whose round() is one timed run; a ClickException when it
     cannot start."""
-    from engine import vllm_baseline
+    from benchmarks import vllm_baseline
 
     spec = vllm_baseline.make_spec(model_dir, workload.prompts, workload.output_lens, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.dtype, config.max_model_len,
@@ -323,7 +342,7 @@ def build_llm(config, checkpoint=None):
         raise click.UsageError(str(exc)) from None
 
 
-@click.command()
+@click.command("throughput")
 @engine_options
 @workload_options
 @click.option("--baseline", type=click.Choice(["none", "hf", "vllm", "all"]), default="none",
@@ -333,14 +352,19 @@ def build_llm(config, checkpoint=None):
 @click.option("--constrained-share", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
               help="also run with this share of the requests constrained to a JSON schema (structured "
                    "output), alternating with plain runs, and print the throughput cost")
+@click.option("--sampled/--greedy-only", default=True, show_default=True,
+              help=f"also run the workload sampled at temperature {SAMPLED_TEMPERATURE:g} (`batchgen run`'s "
+                   "default), beside greedy: the fused greedy argmax does not serve sampled rows")
 @click.option("--rounds", type=click.IntRange(1, 100), default=None,
-              help="runs of each kind (batchgen, constrained, each baseline), alternated: load drifts on "
-                   "a shared machine, so each kind's fastest run is reported, with every round's ratios "
-                   "[default: 2 with --baseline vllm/all or --constrained-share, else 1]")
+              help="runs of each kind (batchgen, sampled, constrained, each baseline), alternated: load "
+                   "drifts on a shared machine, so each kind's fastest run is reported, with every "
+                   "round's ratios and their median [default: 2 with --baseline vllm/all or "
+                   "--constrained-share, else 1]")
 @click.option("--json", "as_json", is_flag=True, help="print results as JSON")
 def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, hf_batch_size,
-          constrained_share, rounds, as_json, **engine_kw):
-    """Benchmark the engine on a seeded synthetic workload (ignore_eos, greedy)."""
+          constrained_share, sampled, rounds, as_json, **engine_kw):
+    """Benchmark the engine on a seeded synthetic workload (ignore_eos; greedy, and sampled unless
+    --greedy-only; the baselines run greedy)."""
     prompt_lens = parse_range(prompt_len, "--prompt-len")
     output_lens = parse_range(output_len, "--output-len")
     llm = build_llm(engine_config(engine_kw))
@@ -351,6 +375,8 @@ def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, h
     warm = make_workload(4, (8, 32), (4, 8), args.vocab_size, seed + 1)
     llm.generate(warm.prompts, SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     kinds = [lambda: run_engine(llm, workload, peak)]  # each kind: one run of it
+    if sampled:
+        kinds.append(lambda: run_engine(llm, workload, peak, SAMPLED_NAME, temperature=SAMPLED_TEMPERATURE))
     if constrained_share:
         kinds.append(lambda: run_engine(llm, workload, peak, f"constrained-{constrained_share:g}",
                                         constrained_share=constrained_share))
@@ -363,7 +389,7 @@ def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, h
             kinds.append(lambda: vllm_round(session, workload, peak, args))
         runs = alternate(kinds, rounds or default_rounds(baseline, constrained_share))
     _print([max(r, key=lambda x: x.output_tokens_per_s) for r in runs], peaks, workload, as_json,
-           llm.config, runs)
+           llm.config, runs, machine_info(llm.config.device))
 
 
 def default_rounds(baseline: str, constrained_share: float | None) -> int:
@@ -375,7 +401,7 @@ def default_rounds(baseline: str, constrained_share: float | None) -> int:
 def alternate(kinds: list, rounds: int) -> list[list[BenchResult]]:
     """`rounds` runs of each kind, round by round (one of each kind, then the next round); per kind,
     its runs in order. Each run starts once this process and its children (vLLM's) are idle."""
-    from engine.vllm_baseline import wait_quiet
+    from benchmarks.vllm_baseline import wait_quiet
 
     runs: list[list[BenchResult]] = [[] for _ in kinds]
     for _ in range(rounds):
@@ -395,17 +421,31 @@ def _hf_dir(model: str) -> str:
     return str(resolved.path)
 
 
+def ratios(runs: list[BenchResult], other_runs: list[BenchResult]) -> dict:
+    """Output tokens/s of runs over other_runs (alternated, round by round): the ratio of each kind's
+    fastest run, each round's ratio, and their median (one fast round can make the fastest-of ratio
+    flatter than the typical one)."""
+    each = [a.output_tokens_per_s / b.output_tokens_per_s for a, b in zip(runs, other_runs, strict=True)]
+    fastest = max(r.output_tokens_per_s for r in runs) / max(r.output_tokens_per_s for r in other_runs)
+    return {"fastest": fastest, "median": statistics.median(each), "rounds": each}
+
+
 def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json: bool, config,
-           runs: list[list[BenchResult]] | None = None) -> None:
-    """results: each kind's fastest run (batchgen's first); runs: every run of each kind, by round."""
+           runs: list[list[BenchResult]] | None = None, machine: dict | None = None) -> None:
+    """results: each kind's fastest run (batchgen's greedy first); runs: every run of each kind, by round."""
     peak = max(peaks.values())
     runs = runs or [[r] for r in results]
+    machine = machine or machine_info(config.device)
     if as_json:
-        report = {"gemm_peak_flops": peak, "gemm_peaks": peaks, "dtype": config.dtype,
+        report = {"machine": machine, "gemm_peak_flops": peak, "gemm_peaks": peaks, "dtype": config.dtype,
                   "dtype_reason": config.dtype_reason, "results": [asdict(r) for r in results],
-                  "rounds": [[asdict(r) for r in kind] for kind in runs]}
+                  "rounds": [[asdict(r) for r in kind] for kind in runs],
+                  "ratios": {other.name: ratios(runs[0], other_runs) if other.name != SAMPLED_NAME
+                             else ratios(other_runs, runs[0])
+                             for other, other_runs in zip(results[1:], runs[1:], strict=True)}}
         click.echo(json.dumps(report, indent=2))
         return
+    click.echo(describe(machine))
     click.echo(f"dtype: {config.dtype} ({config.dtype_reason})")
     click.echo(f"workload: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt tokens, "
                f"{workload.output_tokens} output tokens (seed {workload.seed})")
@@ -416,7 +456,17 @@ def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json:
         click.echo(f"fastest of {len(runs[0])} alternated rounds each")
     for other, other_runs in zip(results[1:], runs[1:], strict=True):
         ratio = results[0].output_tokens_per_s / other.output_tokens_per_s
-        click.echo(f"output tokens/s ratio batchgen / {other.name}: {ratio:.2f}x")
+        if other.name == SAMPLED_NAME:
+            of = ratios(other_runs, runs[0])
+            click.echo(f"sampled (temperature {SAMPLED_TEMPERATURE:g}, `batchgen run`'s default) / greedy "
+                       f"output tokens/s: {of['fastest']:.2f}x"
+                       + (f" fastest, {of['median']:.2f}x median of {len(other_runs)} rounds"
+                          if len(other_runs) > 1 else ""))
+            continue
+        of = ratios(runs[0], other_runs)
+        click.echo(f"output tokens/s ratio batchgen / {other.name}: {ratio:.2f}x"
+                   + (f" fastest, {of['median']:.2f}x median of {len(other_runs)} rounds"
+                      if len(other_runs) > 1 else ""))
         if len(other_runs) > 1:
             pairs = [(a.output_tokens_per_s, b.output_tokens_per_s)
                      for a, b in zip(runs[0], other_runs, strict=True)]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import gpu_check
-from scripts.gpu_check import Context, Results, Section, Sink
+from benchmarks import gpu_check
+from benchmarks.gpu_check import Context, Results, Section, Sink
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_IMAGE_PACKAGES = ["torch", "triton", "numpy", "click", "jinja2", "tokenizers", "safetensors", "pyarrow",
@@ -72,7 +72,7 @@ def test_no_cuda_device_is_a_clear_error(monkeypatch, capsys):
 
 
 def _sections(*names_and_limits) -> list[Section]:
-    return [Section(name, f"tests.scripts.gpu_check_sections:{fn}", limit)
+    return [Section(name, f"tests.benchmarks.gpu_check_sections:{fn}", limit)
             for name, fn, limit in names_and_limits]
 
 
@@ -169,7 +169,7 @@ def _llm(ckpt, **config):
 
 
 def test_requests_that_end_in_errors_are_a_failed_row_not_a_throughput(ckpt, tmp_path):
-    from engine.bench import make_workload
+    from benchmarks.throughput import make_workload
 
     llm = _llm(ckpt)
     real = llm.engine.runner.model.forward
@@ -190,7 +190,7 @@ def test_requests_that_end_in_errors_are_a_failed_row_not_a_throughput(ckpt, tmp
 
 
 def test_a_triton_compile_in_a_timed_run_is_a_failed_row(ckpt, tmp_path, monkeypatch):
-    from engine.bench import make_workload
+    from benchmarks.throughput import make_workload
 
     counts = iter([10, 12])
     monkeypatch.setattr(gpu_check, "triton_compiles", lambda: next(counts))
@@ -247,7 +247,7 @@ def test_a_failing_profiler_fails_nothing_else():
 GUARD = '''
 import sys
 ROOT = {root!r}
-ALLOWED = set({allowed!r}) | {{"engine", "kernels", "scripts"}}
+ALLOWED = set({allowed!r}) | {{"engine", "kernels", "benchmarks"}}
 
 
 class _OnlyWhatTheGpuImageHas:
@@ -279,8 +279,8 @@ def test_dry_run_goes_through_every_section_with_only_the_gpu_image_packages(tmp
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "BATCHGEN_KERNELS")}
     env["PYTHONPATH"] = os.pathsep.join([str(guard_dir), str(ROOT)])
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--quick", "--out",
-                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     table = (out / "gpu_check.md").read_text()
     for section in ("env", "kernels", "decode attention", "tuning", "engine toy"):

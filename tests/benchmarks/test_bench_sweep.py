@@ -8,10 +8,10 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from engine.bench import BenchResult, _print, bench, make_workload, percentile
+from benchmarks.sweep import find_knee, first_slo_breach, parse_values, sweep
+from benchmarks.throughput import BenchResult, _print, bench, make_workload, percentile
 from engine.config import EngineConfig
 from jobs.store import connect
-from jobs.sweep import find_knee, first_slo_breach, parse_values, sweep
 
 TINY = ["--model", "tiny-random", "--num-kv-blocks", "256", "--block-size", "4"]
 
@@ -56,10 +56,15 @@ def test_bench_json_counts_every_token():
     wl = make_workload(6, (3, 12), (2, 6), 259, seed=0)
     assert engine["output_tokens"] == wl.output_tokens and engine["prompt_tokens"] == wl.prompt_tokens
     assert engine["output_tokens_per_s"] > 0 and 0 < engine["mfu"] < 5 and report["gemm_peak_flops"] > 0
+    sampled = report["results"][1]  # the sampled default beside greedy: the same tokens, counted alike
+    assert sampled["name"] == "batchgen-t1" and sampled["output_tokens"] == wl.output_tokens
+    ratio = sampled["output_tokens_per_s"] / engine["output_tokens_per_s"]
+    assert report["ratios"]["batchgen-t1"]["rounds"] == [ratio]
 
 
 def test_bench_constrained_share_runs_plain_and_constrained_and_reports_the_cost(capsys):
-    args = ["--num-requests", "4", "--prompt-len", "3-8", "--output-len", "6", "--constrained-share", "0.5"]
+    args = ["--num-requests", "4", "--prompt-len", "3-8", "--output-len", "6", "--constrained-share", "0.5",
+            "--greedy-only"]
     result = CliRunner().invoke(bench, TINY + args + ["--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)

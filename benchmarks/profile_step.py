@@ -1,4 +1,4 @@
-"""Where a step's time goes: `python -m engine.profile_step --num-seqs 64 --dtype bfloat16`.
+"""Where a step's time goes: `batchgen bench profile --num-seqs 64 --dtype bfloat16`.
 
 Admits N sequences, runs their prefill and a few decode steps unprofiled, then profiles decode
 steps with torch.profiler and prints the top ops by self CPU time, plus the share of each step
@@ -73,7 +73,7 @@ def labelled_ops():
             setattr(ops, name, fn)
 
 
-@click.command()
+@click.command("profile")
 @engine_options
 @click.option("--num-seqs", type=int, default=64, show_default=True, help="sequences decoding together")
 @click.option("--prompt-len", type=int, default=128, show_default=True)
@@ -83,7 +83,7 @@ def main(num_seqs, prompt_len, steps, top, **engine_kw):
     """Profile decode steps of NUM_SEQS sequences on a random-token workload."""
     import torch
 
-    from engine.bench import build_llm, make_workload
+    from benchmarks.throughput import build_llm, make_workload
     from engine.sampling_params import SamplingParams
     from kernels import decode_layers
 

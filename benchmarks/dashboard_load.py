@@ -1,6 +1,6 @@
 """Load benchmark: concurrent requests to a job page's JSON endpoints while the job writes.
 
-    python -m jobs.store.loadbench [--concurrency 50] [--rounds 2] [--requests 2] [--shards 40]
+    batchgen bench dashboard-load [--concurrency 50] [--rounds 2] [--requests 2] [--shards 40]
 
 Builds a temporary data dir with a job of `--shards` committed shards (and their iterations), starts
 a writer process that keeps adding shards to it (outputs, request timings, iterations, a commit
@@ -152,7 +152,7 @@ def summarize(name: str, results: list[tuple[float, str | None]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m jobs.store.loadbench",
+    parser = argparse.ArgumentParser(prog="batchgen bench dashboard-load",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=2, help="rounds per server, alternating")

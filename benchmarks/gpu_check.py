@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""`make gpu-check`: the GPU path end to end on one CUDA device, unattended, as one table.
+"""`make gpu-check` (`batchgen bench gpu-check`): the GPU path end to end on one CUDA device, unattended,
+as one table.
 
 Runs from a source checkout with nothing installed but the GPU image's packages (torch, triton,
-numpy, click, jinja2, tokenizers, safetensors: `PYTHONPATH=.`); nothing is downloaded: the models
-are random-weight Llamas of SmolLM2-135M's shape and of a 0.6B model's shape, built here.
+numpy, click, jinja2, tokenizers, safetensors: `PYTHONPATH=. python3 -m benchmarks.gpu_check`);
+nothing is downloaded: the models are random-weight Llamas of SmolLM2-135M's shape and of a 0.6B
+model's shape, built here.
 
 Every section runs in a process of its own under a hard time limit (killed, with its process
 group, when it runs over), all within one budget (default 450 s): whatever hangs, the run ends in
@@ -337,7 +339,7 @@ def section_env(out: Sink, ctx: Context) -> None:
 
 
 def section_kernels(out: Sink, ctx: Context) -> None:
-    from kernels import bench as kbench
+    from benchmarks import kernel_ops as kbench
 
     device, dtype, peaks = ctx.torch_device, ctx.torch_dtype, _peaks(ctx.torch_device)
     cases = kbench.quick_cases(dtype, device) if ctx.quick else kbench.serving_cases(dtype, device)
@@ -481,7 +483,7 @@ def build_llm(shape: str, device: torch.device, dtype: str, quick: bool, **overr
 
 
 def section_engine(out: Sink, ctx: Context) -> None:
-    from engine.bench import make_workload
+    from benchmarks.throughput import make_workload
 
     shape, device, quick = ctx.args["shape"], ctx.torch_device, ctx.quick
     t0 = time.perf_counter()
@@ -665,7 +667,7 @@ def gpu_busy_share(engine, device: torch.device, steps: int) -> str:
 def bench(out: Sink, llm, workload, item: str, temperature: float = 0.0, timed: bool = True) -> None:
     """One run of `workload`; a FAILED row (never a throughput) when requests ended in errors or, in
     a timed run, Triton compiled something."""
-    from engine.bench import run_engine
+    from benchmarks.throughput import run_engine
 
     compiles = triton_compiles()
     result = run_engine(llm, workload, peak=0.0, name=item, temperature=temperature)
@@ -847,7 +849,7 @@ def section_env_vars(device: torch.device) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="batchgen bench gpu-check", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda",
                         help="cuda, cuda:N, or cpu (with --quick: the interpreter)")
     parser.add_argument("--quick", action="store_true", help="toy sizes: checks the script, measures nothing")

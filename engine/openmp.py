@@ -1,0 +1,38 @@
+"""The OpenMP waiting an engine process starts with.
+
+Threads that finish a parallel region spin briefly, then sleep: libgomp's default spins far longer,
+which on a machine with more runnable threads than cores holds the cores that the late thread of the
+same region needs. libgomp reads these variables once, when torch loads it, so nothing is set when
+the engine is imported: the entry points (`batchgen`'s main, a worker) call set_openmp_defaults()
+before anything imports torch. A setting already made wins. Engines that share their cores (several
+workers on one machine) do not spin at all (no_spin_unless_chosen). The measurements behind these
+numbers are in docs/benchmarks.md ("OpenMP waiting").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
+# the variables set_openmp_defaults() set in this process (not the user's): the vLLM baseline drops
+# them, since vLLM waits its own way
+SET_BY_ENGINE: frozenset[str] = frozenset()
+
+
+def set_openmp_defaults() -> frozenset[str]:
+    """Set each of OPENMP_DEFAULTS in os.environ that is not set yet; returns those it set. Call it
+    before torch is imported (later, libgomp has read them already). Idempotent."""
+    global SET_BY_ENGINE
+    made = frozenset(k for k in OPENMP_DEFAULTS if k not in os.environ)
+    for name in made:
+        os.environ[name] = OPENMP_DEFAULTS[name]
+    SET_BY_ENGINE = SET_BY_ENGINE | made
+    return made
+
+
+def no_spin_unless_chosen(env: MutableMapping[str, str]) -> None:
+    """For an engine that may share its cores: GOMP_SPINCOUNT 0 in env (a dict or os.environ),
+    unless the spin there is someone's choice rather than this default."""
+    if "GOMP_SPINCOUNT" in SET_BY_ENGINE:
+        env["GOMP_SPINCOUNT"] = "0"
