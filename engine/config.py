@@ -59,6 +59,8 @@ class EngineConfig:
     device: str = field(default="cpu", metadata=_flag("cpu, cuda or cuda:N (default cpu)."))
     enforce_eager: bool = field(default=False, metadata=_flag(
         "No CUDA graphs: every step runs eagerly (on CPU, decode steps skip the static buffers too)."))
+    async_scheduling: bool = field(default=True, metadata=_flag(
+        "Prepare the next step while the device runs this one (default on; same tokens either way)."))
     seed: int = 0  # seeds requests that give no seed of their own (jobs set it per row: --seed)
     dtype_reason: str = field(default="", compare=False)  # set on construction: "given", or why "auto"
     # resolved to dtype (derived, so no flag and not compared)

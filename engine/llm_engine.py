@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
@@ -23,10 +24,10 @@ from engine.faults import EngineFault, is_device_fault
 from engine.model import ModelArgs, Transformer
 from engine.model_runner import DTYPES, ModelRunner, kv_block_bytes
 from engine.outputs import RequestOutput
-from engine.sampler import Sampler
+from engine.sampler import Sampled, Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from engine.stats import IterationStats
 from engine.structured_output import StructuredOutputs
 
@@ -66,7 +67,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self._detoks: dict[int, object] = {}  # seq_index -> incremental detokenizer (stop strings only)
         self._ids = itertools.count()
-        self._isolating = False
+        self._in_flight: _InFlight | None = None  # a launched step whose tokens are not applied yet
         self.fault: EngineFault | None = None  # set when a step failed the engine: no step runs after it
 
     def _num_kv_blocks(self) -> int:
@@ -134,6 +135,9 @@ class LLMEngine:
             self._finished.append(self._output(seq))
             return request_id
         seq.stats.max_tokens = min(params.max_tokens, self.max_model_len - len(token_ids))
+        seq.max_num_tokens = len(token_ids) + seq.stats.max_tokens
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None and not params.ignore_eos else ()
+        seq.stop_token_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         self._seqs[request_id] = seq
         if params.stop and self.tokenizer is not None:
             self._detoks[seq.seq_index] = self.tokenizer.detokenizer(token_ids)
@@ -205,6 +209,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, apply stops. Returns the requests that finished.
 
+        With async_scheduling (the default) a step queues its own work on the device first and only
+        then waits for the tokens of the step before and applies them: the device runs step N while
+        the host schedules, prepares and uploads step N+1. A sequence sampled in step N is scheduled
+        in step N+1 with a placeholder token (engine.sequence.PLACEHOLDER), which the device fills
+        from step N's tokens; one that step N finishes was computed once more for nothing. A step
+        with penalties or grammars needs its tokens on the host before the next one can be built,
+        so it is applied at once, as every step is without async_scheduling. Tokens are the same
+        either way. Still one host sync per step: the wait for one step's tokens.
+
         Raises EngineFault when the engine itself failed (engine.faults): the device ran out of
         memory, a kernel did not compile, the device reported an error. No request is finished for
         it, and every later call raises it again: the engine's state is unknown."""
@@ -222,55 +235,105 @@ class LLMEngine:
             if not s.seq.stats.scheduled_ts:
                 s.seq.stats.scheduled_ts = ts
         num_finished = len(sched.rejected)
-        for piece, result in self._run_isolating_faults(sched.scheduled):
-            if isinstance(result, Exception):
-                num_finished += self._fail(piece, result)
-                continue
-            self.scheduler.on_step_done(SchedulerOutput(scheduled=piece))
-            tokens, logprobs, sample_seqs = result
-            now = time.time()
-            for seq, token, lp in zip(sample_seqs, tokens, logprobs, strict=True):
-                try:
-                    num_finished += self._append_token(seq, token, lp, now)
-                except Exception as exc:  # noqa: BLE001 - e.g. a stop-string check on odd bytes
-                    num_finished += self._fail([ScheduledSequence(seq, 0, False)], exc)
+        before, self._in_flight = self._in_flight, None
+        launched = None
+        if sched.scheduled:
+            try:
+                launched = self._launch(sched.scheduled, before)
+            except Exception as exc:  # noqa: BLE001 - pinned on its request(s) below, or the engine's
+                self._check_device_fault(exc, len(sched.scheduled))
+                num_finished += self._apply(before)  # the placeholders' tokens, then the step without them
+                before = None
+                num_finished += self._run_isolating_faults(
+                    [s for s in sched.scheduled if s.seq.status is not SequenceStatus.FINISHED], exc)
+        num_finished += self._apply(before)
+        if launched is not None:
+            self._advance(launched)
+            if self.config.async_scheduling and not launched.needs_host_tokens:
+                self._in_flight = launched
+            else:
+                num_finished += self._apply(launched)
         self._log(sched, ts, time.perf_counter() - t0, num_finished, occupancy)
         finished, self._finished = self._finished, []
         return finished
 
-    def _run_isolating_faults(self, scheduled: list[ScheduledSequence]):
-        """Yield (piece, (tokens, logprobs, seqs)) for the step, or (piece, exception) for the
-        requests a failure could be pinned on. A step that raises is run again in halves, down to
-        single requests: only the request(s) that fail alone are lost, nothing else (recomputing
-        a piece rewrites the same KV slots, and nothing advances until a piece succeeds; the
-        staging buffers wait for the failed piece's uploads before they are written again). A
-        device fault is not halved: it raises EngineFault at once (engine.faults)."""
-        if not scheduled:
-            return
+    def _launch(self, scheduled: list[ScheduledSequence], before: _InFlight | None) -> _InFlight:
+        """Queue a step on the device: the forward, the sampling and the copy of its tokens to the
+        host; nothing is waited for. `before`: the step whose tokens are still placeholders."""
+        logits, sample_seqs = self.runner.execute(SchedulerOutput(scheduled=scheduled),
+                                                  None if before is None else before.sampled.tokens)
+        sampled = self.sampler.sample(logits, sample_seqs)
+        fetch = self.runner.staging.fetch_start(sampled.fetched)
+        return _InFlight(scheduled, sample_seqs, sampled, fetch)
+
+    def _advance(self, step: _InFlight) -> None:
+        """A launched step's computed tokens count; each sampled sequence gets its placeholder."""
+        self.scheduler.on_step_done(SchedulerOutput(scheduled=step.scheduled))
+        for row, seq in enumerate(step.sample_seqs):
+            if seq.status is not SequenceStatus.FINISHED:
+                seq.token_ids.append(PLACEHOLDER)
+                seq.pending_row = row
+
+    def _apply(self, step: _InFlight | None) -> int:
+        """Wait for a launched step's tokens (the host sync) and put them in place of its
+        placeholders: stops, lengths and grammars are checked, finished requests leave. A sequence
+        finished meanwhile (a stop in the step before, an abort) drops its token. Returns how many
+        finished."""
+        if step is None:
+            return 0
+        live = [s for s in step.scheduled if s.seq.status is not SequenceStatus.FINISHED]
         try:
-            logits, sample_seqs = self.runner.execute(SchedulerOutput(scheduled=scheduled))
-            tokens, logprobs = self.sampler(logits, sample_seqs)
-        except Exception as exc:  # noqa: BLE001 - a request's fault must not fail the others
-            if is_device_fault(exc):  # no request's doing: halving would only make error rows of all
-                self.fault = EngineFault.from_exception(exc)
-                log.error("engine step over %d requests failed the engine: %s", len(scheduled),
-                          self.fault.reason, exc_info=exc)
-                raise self.fault from exc
-            if len(scheduled) == 1:
-                yield scheduled, exc
-                return
-            if not self._isolating:
-                log.warning("engine step over %d requests failed (%r); isolating the request(s) at fault",
-                            len(scheduled), exc)
-            self._isolating = True
+            tokens, logprobs = self.sampler.collect(step.sampled, self.runner.staging.fetch_wait(step.fetch))
+        except Exception as exc:  # noqa: BLE001 - as a failed step: the device's fault, or these requests'
+            self._check_device_fault(exc, len(step.scheduled))
+            return self._fail(live, exc)
+        now, num_finished = time.time(), 0
+        for seq, token, lp in zip(step.sample_seqs, tokens, logprobs, strict=True):
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            seq.token_ids[-1] = token
+            seq.pending_row = None
             try:
-                half = len(scheduled) // 2
-                yield from self._run_isolating_faults(scheduled[:half])
-                yield from self._run_isolating_faults(scheduled[half:])
-            finally:
-                self._isolating = False
-            return
-        yield scheduled, (tokens, logprobs, sample_seqs)
+                num_finished += self._append_token(seq, token, lp, now)
+            except Exception as exc:  # noqa: BLE001 - e.g. a stop-string check on odd bytes
+                num_finished += self._fail([ScheduledSequence(seq, 0, False)], exc)
+        return num_finished
+
+    def _check_device_fault(self, exc: Exception, num_requests: int) -> None:
+        """Raise EngineFault for a device fault: no request's doing, and halving the step would only
+        make error rows of all its requests."""
+        if is_device_fault(exc):
+            self.fault = EngineFault.from_exception(exc)
+            log.error("engine step over %d requests failed the engine: %s", num_requests, self.fault.reason,
+                      exc_info=exc)
+            raise self.fault from exc
+
+    def _run_isolating_faults(self, scheduled: list[ScheduledSequence], exc: Exception) -> int:
+        """A step that raised `exc` is run again in halves, down to single requests: only the
+        request(s) that fail alone are lost, nothing else (recomputing a piece rewrites the same KV
+        slots, and nothing advances until a piece succeeds; the staging buffers wait for the failed
+        piece's uploads before they are written again). Each piece that runs is applied at once. A
+        device fault is not halved: it raises EngineFault at once (engine.faults). Returns how many
+        requests finished."""
+        if len(scheduled) <= 1:
+            return self._fail(scheduled, exc) if scheduled else 0
+        log.warning("engine step over %d requests failed (%r); isolating the request(s) at fault",
+                    len(scheduled), exc)
+        num_finished, pieces = 0, [scheduled[: len(scheduled) // 2], scheduled[len(scheduled) // 2:]]
+        while pieces:
+            piece = pieces.pop(0)
+            try:
+                step = self._launch(piece, None)
+            except Exception as piece_exc:  # noqa: BLE001 - halved again below
+                self._check_device_fault(piece_exc, len(piece))
+                if len(piece) == 1:
+                    num_finished += self._fail(piece, piece_exc)
+                else:
+                    pieces[:0] = [piece[: len(piece) // 2], piece[len(piece) // 2:]]
+                continue
+            self._advance(step)
+            num_finished += self._apply(step)
+        return num_finished
 
     def _fail(self, piece: list[ScheduledSequence], exc: Exception) -> int:
         """Finish the request whose step fails on its own with finish_reason "error"."""
@@ -282,9 +345,9 @@ class LLMEngine:
         return len(piece)
 
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> int:
+        """Checks on a sequence's new token (already its latest): stops, lengths, its grammar."""
         if not seq.stats.first_token_ts:
             seq.stats.first_token_ts = now
-        seq.append_token(token)
         if logprobs is not None:
             seq.logprobs = seq.logprobs or []
             seq.logprobs.append(logprobs)
@@ -314,23 +377,25 @@ class LLMEngine:
         return "stop" if self.structured.is_terminated(seq) else None
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if (not p.ignore_eos and self.tokenizer is not None and token in self.tokenizer.eos_token_ids) \
-                or token in p.stop_token_ids:
+        if token in seq.stop_token_ids:
             return "stop"
-        detok = self._detoks.get(seq.seq_index)
-        if detok is not None:
-            detok.add(token)
-            text = detok.text
-            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.stop_text = text[:cut]
-                return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._detoks:
+            detok = self._detoks.get(seq.seq_index)
+            if detok is not None:
+                detok.add(token)
+                text = detok.text
+                cut = min((i for i in (text.find(s) for s in seq.params.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    seq.stop_text = text[:cut]
+                    return "stop"
+        if len(seq.token_ids) >= seq.max_num_tokens:  # max_tokens, or max_model_len (stats.max_tokens)
             return "length"
         return None
 
     def _on_finished(self, seq: Sequence) -> None:
+        if seq.pending_row is not None:  # finished while its latest token was being sampled: dropped
+            seq.token_ids.pop()
+            seq.pending_row = None
         seq.stats.finished_ts = time.time()
         self._seqs.pop(seq.request_id, None)
         self.runner.release(seq)
@@ -383,6 +448,22 @@ class LLMEngine:
         self.iteration += 1
         for logger in self.stat_loggers:
             logger(stats)
+
+
+@dataclass
+class _InFlight:
+    """A step queued on the device whose tokens the host has not applied yet."""
+
+    scheduled: list[ScheduledSequence]
+    sample_seqs: list[Sequence]
+    sampled: Sampled
+    fetch: object  # engine.staging's handle of the tokens' copy to the host
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether the next step can only be built from this one's tokens on the host: penalties
+        count the output tokens, a grammar's mask follows the tokens accepted."""
+        return any(s.params.has_penalties or s.params.constraint is not None for s in self.sample_seqs)
 
 
 def _available_ram() -> int:

@@ -361,26 +361,45 @@ class ModelRunner:
 
     # -- one step
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one iteration batch; return logits (S, V) for the sequences that catch up, and them."""
+    def execute(self, sched: SchedulerOutput, feed: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run one iteration batch; return logits (S, V) for the sequences that catch up, and them.
+
+        `feed`: the tokens (S',) of the step before, still on the device (asynchronous scheduling):
+        a sequence whose latest token is a placeholder (`pending_row` set) takes it from there."""
         ordered = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: q_len 1 first
         self._update_block_tables([s.seq for s in ordered])
         num_tokens = sum(s.num_new_tokens for s in ordered)
         if self.buckets and len(ordered) <= self.buckets[-1] and all(map(_samples_one_token, ordered)):
-            return self._execute_decode(ordered)
-        return self._execute_eager(ordered, num_tokens)
+            return self._execute_decode(ordered, feed)
+        return self._execute_eager(ordered, num_tokens, feed)
 
-    def _execute_eager(self, ordered, num_tokens: int) -> tuple[torch.Tensor, list[Sequence]]:
+    def _feed(self, input_ids: torch.Tensor, ordered, feed: torch.Tensor | None) -> None:
+        """Input ids still being sampled by the step before (placeholders on the host) are copied in
+        from its tokens on the device. Only decode rows (first in `ordered`, one token each) can
+        have one: a placeholder is always its sequence's latest token."""
+        pairs = [(i, s.seq.pending_row) for i, s in enumerate(ordered) if s.seq.pending_row is not None]
+        if not pairs:
+            return
+        if feed is None or any(ordered[i].num_new_tokens != 1 for i, _ in pairs):
+            raise RuntimeError("a placeholder token outside a decode row, or without the step sampling it")
+        index = self.staging.put("feed", pairs, torch.int64).view(-1, 2)
+        input_ids.index_copy_(0, index[:, 0], feed.index_select(0, index[:, 1]))
+
+    def _execute_eager(self, ordered, num_tokens: int, feed: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, list[Sequence]]:
         sample_seqs = [s.seq for s in ordered if _catches_up(s)]
         layout = _Layout(num_tokens, len(ordered), len(sample_seqs))
         query_lens, context_lens = self._stage(ordered, layout)
+        self._feed(self.staging.device_buffer("step")[layout.slices()["input_ids"]], ordered, feed)
         meta, inputs = self._inputs(layout, query_lens, context_lens)
         hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, meta)  # (T, dim)
         if not sample_seqs:
             return hidden.new_empty((0, self.args.vocab_size)), []
         return self._head(hidden.index_select(0, inputs["sample"]), sample_seqs), sample_seqs
 
-    def _execute_decode(self, ordered) -> tuple[torch.Tensor, list[Sequence]]:
+    def _execute_decode(self, ordered, feed: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, list[Sequence]]:
         """A decode-only step over the static inputs, padded to its bucket (pad_decodes) and replayed as
         a graph on CUDA, a plain call at its own size elsewhere."""
         num_seqs = len(ordered)
@@ -391,6 +410,7 @@ class ModelRunner:
         _, context_lens = self._fill(buf, slices, ordered, sample_rows=False)
         self._pad(buf, slices, num_seqs, size)
         self.staging.upload("step", layout.size)
+        self._feed(self.staging.device_buffer("step")[slices["input_ids"]], ordered, feed)
         seqs = [s.seq for s in ordered]
         if size in self.graphs:
             graph, logits = self.graphs[size]

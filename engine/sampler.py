@@ -52,6 +52,19 @@ def uniforms(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
 
 
 @dataclass
+class Sampled:
+    """One step's sampling, queued on the device: `tokens` (S,) int64 (what the next step's inputs
+    may take the new tokens from before the host has them), `fetched` (the tokens, or float64
+    tokens + logprobs packed) for the one device -> host copy."""
+
+    tokens: torch.Tensor
+    fetched: torch.Tensor
+    num_rows: int
+    want: np.ndarray | None = None  # rows that asked for logprobs
+    asked: np.ndarray | None = None  # top-N asked per row (-1: none)
+
+
+@dataclass
 class _Rows:
     """Host-side per-row parameters of one step (numpy, one entry per sampled sequence)."""
 
@@ -88,14 +101,23 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]
                  ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits (S, V) float32 for `seqs` -> one token id per row, and its logprobs when asked; or
-        (S,) int64 token ids the runner picked already (where greedy_only holds)."""
+        (S,) int64 token ids the runner picked already (where greedy_only holds). sample() and
+        collect() with the fetch between them."""
         staging = self.staging or Staging(logits.device)
+        sampled = self.sample(logits, seqs, staging)
+        return self.collect(sampled, staging.fetch(sampled.fetched))
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], staging: Staging | None = None) -> Sampled:
+        """The step's tokens on the device, and what to fetch for them: every op is queued, nothing
+        is read back (the engine fetches `fetched` once and hands it to collect())."""
+        staging = staging or self.staging or Staging(logits.device)
         params = [s.params for s in seqs]
         if logits.dim() == 1:  # the runner's picks already (greedy_only: the model's head took the argmax)
-            return staging.fetch(logits).tolist(), [None] * len(seqs)
-        constrained = np.flatnonzero([p.constraint is not None for p in params])
+            return Sampled(logits, logits, len(seqs))
         if greedy_only(params):  # the common batch case: an argmax and one copy
-            return staging.fetch(ops.argmax(logits)).tolist(), [None] * len(seqs)
+            tokens = ops.argmax(logits)
+            return Sampled(tokens, tokens, len(seqs))
+        constrained = np.flatnonzero([p.constraint is not None for p in params])
         rows = self._rows(seqs)
         raw = logits
         if any(p.has_penalties for p in params):
@@ -110,10 +132,16 @@ class Sampler:
             tokens = tokens.index_copy(0, index, drawn)
         want = np.flatnonzero(rows.logprobs >= 0)
         if not want.size:
-            return staging.fetch(tokens).tolist(), [None] * len(seqs)
+            return Sampled(tokens, tokens, len(seqs))
         packed = torch.cat([tokens.double(), top_logprobs(raw, tokens, want, rows, staging)])
-        host = staging.fetch(packed)
-        return _unpack(host, len(seqs), want, rows.logprobs)
+        return Sampled(tokens, packed, len(seqs), want, rows.logprobs)
+
+    @staticmethod
+    def collect(sampled: Sampled, host: np.ndarray) -> tuple[list[int], list[dict[int, float] | None]]:
+        """The fetched values of a sample() -> token ids, and logprobs where asked."""
+        if sampled.want is None:
+            return host.tolist(), [None] * sampled.num_rows
+        return _unpack(host, sampled.num_rows, sampled.want, sampled.asked)
 
     def _apply_grammars(self, logits: torch.Tensor, raw: torch.Tensor, seqs: list[Sequence],
                         rows: np.ndarray, staging: Staging) -> torch.Tensor:

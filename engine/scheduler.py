@@ -147,34 +147,54 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        for seq, n in self._plan_running(out, budget):
-            self.block_manager.allocate(seq, n)
-            out.scheduled.append(ScheduledSequence(seq, n, _is_decode(seq, n)))
-            budget -= n
+        pieces, budget = self._plan_running(out, budget)
+        out.scheduled += pieces
         return budget
 
-    def _plan_running(self, out: SchedulerOutput, budget: int) -> list[tuple[Sequence, int]]:
-        """The running sequences this step computes, in admission order, and their token counts
-        within the budget, such that the KV blocks they need are free: victims are preempted (or a
-        sequence alone that can never fit is rejected) before anything is allocated."""
+    def _plan_running(self, out: SchedulerOutput, budget: int) -> tuple[list[ScheduledSequence], int]:
+        """The running sequences this step computes, in admission order, with their token counts
+        within the budget, and the budget left; the KV blocks they need are allocated: victims are
+        preempted (or a sequence alone that can never fit is rejected) before anything is.
+
+        One pass over the running sequences with nothing but counters per sequence: a decoding
+        sequence's piece is made once and reused, and only sequences that cross into a new block
+        are handed to the block manager. A sequence whose latest token is its last allowed one
+        (being sampled, under asynchronous scheduling) has nothing left to compute."""
         bm = self.block_manager
+        bs = bm.block_size
         while True:
-            plan, need, left = [], 0, budget
+            pieces, grow, need, left = [], [], 0, budget
             for seq in self.running:
                 if left <= 0:
                     break
-                n = min(seq.num_uncomputed_tokens, left)
-                plan.append((seq, n))
-                need += bm.blocks_needed(seq, n)
+                total = len(seq.token_ids)
+                if total >= seq.max_num_tokens:
+                    continue
+                computed = seq.num_computed_tokens
+                n = total - computed
+                if n == 1 and total > seq.num_prompt_tokens:  # a decode
+                    piece = seq.decode_piece
+                    if piece is None:
+                        piece = seq.decode_piece = ScheduledSequence(seq, 1, True)
+                else:
+                    n = min(n, left)
+                    piece = ScheduledSequence(seq, n, _is_decode(seq, n))
+                pieces.append(piece)
+                short = computed + n - len(seq.block_table) * bs
+                if short > 0:
+                    need += -(-short // bs)
+                    grow.append(piece)
                 left -= n
             if need <= bm.num_free_blocks:
-                return plan
+                for piece in grow:
+                    bm.allocate(piece.seq, piece.num_new_tokens)
+                return pieces, left
             if len(self.running) == 1:  # alone and still too big: the whole cache cannot hold it
-                seq, n = plan[0]
+                seq, n = pieces[0].seq, pieces[0].num_new_tokens
                 self._reject(seq, out, "the KV cache cannot hold this sequence: "
                              f"{bm.blocks_needed(seq, n) + len(seq.block_table)} blocks needed, "
                              f"{bm.num_blocks} in the cache")
-                return []
+                return [], budget
             self._preempt(self.waiting.victim(self.running), out)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -222,11 +242,15 @@ class Scheduler:
 
     # -- after the forward pass
     def on_step_done(self, out: SchedulerOutput) -> list[Sequence]:
-        """Advance computed counts; return sequences that caught up and so get a sampled token."""
+        """Advance computed counts; return sequences that caught up and so get a sampled token. A
+        sequence finished meanwhile (asynchronous scheduling: a stop in the step before) is left."""
         sampled = []
         caching = self.block_manager.enable_prefix_caching
+        finished = SequenceStatus.FINISHED
         for s in out.scheduled:
             seq = s.seq
+            if seq.status is finished:
+                continue
             seq.num_computed_tokens += s.num_new_tokens
             if caching:
                 self.block_manager.cache_full_blocks(seq)

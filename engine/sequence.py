@@ -16,6 +16,7 @@ class SequenceStatus(enum.Enum):
 
 
 _counter = itertools.count()
+PLACEHOLDER = -1  # a token still being sampled on the device (asynchronous scheduling)
 
 
 class Sequence:
@@ -41,6 +42,12 @@ class Sequence:
         self.job_id = job_id
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        # asynchronous scheduling: the latest token is a placeholder (PLACEHOLDER) while the step that
+        # samples it runs; this is its row in that step's tokens (engine.model_runner feeds it)
+        self.pending_row: int | None = None
+        self.max_num_tokens = 1 << 62  # prompt + the output tokens it may have (the engine sets it)
+        self.stop_token_ids: frozenset[int] = frozenset()  # tokens that end it (EOS unless ignored, its own)
+        self.decode_piece = None  # the scheduler's ScheduledSequence for its decode steps, made once
         self.block_table: list[int] = []  # physical KV block per logical block
         self.block_hashes: list[int] = []  # prefix-cache hashes of the full blocks known so far
         self.finish_reason: str | None = None

@@ -144,39 +144,51 @@ def test_a_request_fault_still_fails_only_its_request(ckpt):
 
 class _StagingLog:
     """Records the staging buffers' writes, uploads and waits in order, with uploads made real on the
-    CPU (host and device tensors are one there, so nothing is ever in flight otherwise)."""
+    CPU (host and device tensors are one there, so nothing is ever in flight otherwise). A buffer is
+    its host array (engine/staging.py: two per buffer, used by alternate steps)."""
 
     def __init__(self, staging):
-        self.events: list[tuple[str, str]] = []
+        self.events: list[tuple] = []
         staging.separate = True  # uploads are now "asynchronous copies" the staging must wait for
         buffer, upload, wait = staging.buffer, staging.upload, staging.wait
+        fetch_start, fetch_wait, self.starts = staging.fetch_start, staging.fetch_wait, {}
 
         def logged_buffer(name, *args):
             out = buffer(name, *args)  # waits first where needed
-            self.events.append(("write", name))
+            self.events.append(("write", staging._key(name)))
             return out
 
         def logged_upload(name, n):
-            self.events.append(("upload", name))
+            self.events.append(("upload", staging._key(name), len(self.events)))
             return upload(name, n)
 
         def logged_wait():
-            self.events.append(("wait", ""))
+            self.events.append(("wait", None))
             wait()
 
+        def logged_fetch_start(x):  # the copy is queued behind every upload so far ...
+            fetch = fetch_start(x)
+            self.starts[id(fetch)] = len(self.events)
+            return fetch
+
+        def logged_fetch_wait(fetch):  # ... so they have all landed once it has
+            self.events.append(("landed", self.starts.pop(id(fetch))))
+            return fetch_wait(fetch)
+
         staging.buffer, staging.upload, staging.wait = logged_buffer, logged_upload, logged_wait
-        fetch = staging.fetch
-        staging.fetch = lambda x: (self.events.append(("wait", "fetch")), fetch(x))[1]
+        staging.fetch_start, staging.fetch_wait = logged_fetch_start, logged_fetch_wait
 
     def writes_over_copies_in_flight(self) -> list[int]:
-        """Indices of writes to a buffer whose upload no wait (nor fetch) followed."""
-        in_flight, bad = set(), []
-        for i, (what, name) in enumerate(self.events):
-            if what == "upload":
-                in_flight.add(name)
-            elif what == "wait":
+        """Indices of writes to a host array whose upload has not been seen to land."""
+        in_flight, bad = {}, []
+        for i, event in enumerate(self.events):
+            if event[0] == "upload":
+                in_flight[event[1]] = event[2]
+            elif event[0] == "wait":
                 in_flight.clear()
-            elif name in in_flight:
+            elif event[0] == "landed":
+                in_flight = {k: e for k, e in in_flight.items() if e > event[1]}
+            elif event[1] in in_flight:
                 bad.append(i)
         return bad
 
@@ -193,5 +205,23 @@ def test_re_runs_after_a_failed_step_wait_for_its_uploads_before_rewriting_them(
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
     assert [o.finish_reason for o in outs].count("error") == 1
     assert log.writes_over_copies_in_flight() == []
-    waits = sum(1 for what, name in log.events if what == "wait" and name != "fetch")
+    waits = sum(1 for event in log.events if event[0] == "wait")
     assert waits > 0  # the re-runs waited (a clean step's fetch is its only wait)
+
+
+def test_asynchronous_steps_write_the_other_host_arrays_and_never_wait_for_uploads(ckpt):
+    """With asynchronous scheduling step N+1 writes its inputs while step N's uploads may be queued:
+    each buffer has two host arrays, used by alternate steps, so a clean run never waits before a
+    write (the fetch is each step's only sync). With one array per buffer the same run would have to
+    wait before nearly every step's writes (or, without the wait, overwrite copies in flight)."""
+    waits = {}
+    for arrays in (2, 1):
+        llm = LLM("tiny", checkpoint=ckpt, **CONFIG)
+        staging = llm.engine.runner.staging
+        log = _StagingLog(staging)
+        if arrays == 1:
+            staging._key = lambda name: (name, 0)
+        llm.generate(_prompts(8, seed=6), SamplingParams(max_tokens=6, temperature=0.7, seed=2))
+        assert log.writes_over_copies_in_flight() == []
+        waits[arrays] = staging.num_waits
+    assert waits[2] == 0 and waits[1] > 5

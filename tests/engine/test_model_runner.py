@@ -81,9 +81,9 @@ def _decode_rows(runner) -> list[tuple[int, int]]:
     rows = []
     execute, forward = runner._execute_decode, runner._decode_forward
 
-    def step(ordered):
+    def step(ordered, feed=None):
         rows.append((len(ordered), None))
-        return execute(ordered)
+        return execute(ordered, feed)
 
     def recorded(size, context_lens, seqs=None):
         assert len(context_lens) == size and (seqs is None or len(seqs) == size)
