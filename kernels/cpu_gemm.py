@@ -86,8 +86,8 @@ def panels_apply(weight: torch.Tensor) -> bool:
         return False
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[0] % PANEL or weight.shape[0] == 0:
         return False
-    need = {torch.float32: cpu_native.FEATURE_AVX512,
-            torch.bfloat16: cpu_native.FEATURE_DP_BF16}.get(weight.dtype)
+    need = {torch.float32: cpu_native.FEATURE_GEMM_F32,
+            torch.bfloat16: cpu_native.FEATURE_GEMM_BF16}.get(weight.dtype)
     if need is None or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2):
         return False
     if not cpu_native.features() & need:

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_features
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
@@ -35,9 +37,28 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 HEADERS = [SOURCE.with_name(name) for name in ("cpu_kernels_typed.h", "cpu_gemm.h", "cpu_decode.h")]
 # the storage types the typed kernels are built for, and their functions' name suffixes
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-# -fassociative-math lets the compiler vectorise the dot-product reductions; no -ffinite-math-only
-CFLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math",
-          "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp"]
+# -fassociative-math lets the compiler vectorise the dot-product reductions; no -ffinite-math-only.
+# -mtune=native only schedules for this CPU: the instructions are the variant's (VARIANTS).
+BASE_CFLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+               "-fno-trapping-math", "-fopenmp"]
+
+# The ISA variants of the library, built side by side with explicit target flags (as oneDNN and
+# llama.cpp carry theirs), so that one machine runs, and tests, every variant its CPU can execute,
+# not only the one -march=native would give it: name -> (compiler flags, the /proc/cpuinfo flags a
+# CPU needs to run it), worst first. The process runs the best one its CPU has (choose(); use()
+# switches). NATIVE (-march=native, the compiler's own pick) serves CPUs none fits: not x86, or
+# without AVX2 and FMA.
+_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})  # x86-64-v3 (Haswell, Zen 1)
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}  # x86-64-v4 (Skylake-X, Zen 4)
+VARIANTS: dict[str, tuple[list[str], frozenset[str]]] = {
+    "avx2": (["-march=x86-64-v3"], _V3),
+    "avx512": (["-march=x86-64-v4"], _V4),
+    "avx512bf16": (["-march=x86-64-v4", "-mavx512bf16"], _V4 | {"avx512_bf16"}),
+    "amx": (["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"],
+            _V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}),
+}
+NATIVE = "native"
+NATIVE_FLAGS = ["-march=native"]
 # tried in order: a compiler without OpenMP (clang with no libomp) still gets single-threaded
 # kernels, one that does not know -march=native (some clang targets) still gets portable ones
 FALLBACK_DROPS = [(), ("-fopenmp",), ("-fopenmp", "-march=native")]
@@ -47,10 +68,60 @@ BUILD_TIMEOUT_S = 300  # ~30 s is usual on 2 cores (the attention's specialisati
 _lib: ctypes.CDLL | None = None
 _tried = False
 _why_not = ""
+_wanted: str | None = None  # use()'s variant; None: choose()
+_variant = ""  # the loaded library's variant
+_opened: dict[str, ctypes.CDLL] = {}  # .so path -> its handle (a variant switched back to is not reopened)
 
 
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def runnable(flags: frozenset[str] | None = None, x86: bool | None = None) -> list[str]:
+    """The VARIANTS a CPU with these /proc/cpuinfo flags (this one's by default) executes, worst first;
+    NATIVE where none fits."""
+    flags = cpu_features.cpu_flags() if flags is None else flags
+    x86 = _x86() if x86 is None else x86
+    names = [name for name, (_, need) in VARIANTS.items() if x86 and need <= flags]
+    return names or [NATIVE]
+
+
+def choose(flags: frozenset[str] | None = None, x86: bool | None = None) -> str:
+    """The variant a process runs on a CPU with these flags: the best it executes."""
+    return runnable(flags, x86)[-1]
+
+
+def cflags(variant: str) -> list[str]:
+    """The compiler flags of one variant (NATIVE included)."""
+    if variant == NATIVE:
+        return BASE_CFLAGS + NATIVE_FLAGS
+    return BASE_CFLAGS + VARIANTS[variant][0] + ["-mtune=native"]
+
+
+def use(variant: str | None) -> None:
+    """Run the kernels of this variant from now on (None: choose()'s); a ValueError naming the CPU
+    flags it lacks where this CPU cannot execute it (its instructions would fault). Kernels already
+    packed stay valid: every variant reads the same panels."""
+    global _wanted, _lib, _tried, _why_not
+    if variant is not None and variant != NATIVE:
+        if variant not in VARIANTS:
+            known = ", ".join([*VARIANTS, NATIVE])
+            raise ValueError(f"unknown CPU kernel variant {variant!r} (one of {known})")
+        missing = VARIANTS[variant][1] - cpu_features.cpu_flags()
+        if missing or not _x86():
+            lacks = ", ".join(sorted(missing)) or "x86-64"
+            raise ValueError(f"this CPU cannot run the {variant} kernels: it lacks {lacks}")
+    _wanted, _lib, _tried, _why_not = variant, None, False, ""
+
+
+def variant() -> str:
+    """The loaded library's variant ('' when none is loaded)."""
+    load()
+    return _variant if _lib is not None else ""
 
 
 def _cache_root() -> Path:
@@ -58,7 +129,7 @@ def _cache_root() -> Path:
 
 
 def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU's model and flags."""
+    """What -march=native and -mtune=native depend on: the CPU's model and flags."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -74,7 +145,7 @@ def compiler() -> str | None:
 def build(cc: str, out_dir: Path, flags: list[str] | None = None) -> Path:
     """Compile SOURCE into out_dir (named by a hash of source, flags and CPU); returns the .so path.
     The file appears atomically, and a lock file makes concurrent builders of one key wait for the first."""
-    flags = CFLAGS if flags is None else flags
+    flags = cflags(NATIVE) if flags is None else flags
     source = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS])
     key = hashlib.sha256(b"\0".join([source, " ".join([cc, *flags]).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
@@ -102,12 +173,16 @@ def build(cc: str, out_dir: Path, flags: list[str] | None = None) -> Path:
     return target
 
 
-def build_with_fallbacks(cc: str, out_dir: Path) -> Path:
-    """build() with CFLAGS, then without what FALLBACK_DROPS names; the first error if all fail."""
+def build_with_fallbacks(cc: str, out_dir: Path, variant: str = NATIVE) -> Path:
+    """build() with the variant's flags, then without what FALLBACK_DROPS names (an explicit variant
+    keeps its target flags: without them it would be another variant); the first error if all fail."""
     first: Exception | None = None
+    flags = cflags(variant)
     for drop in FALLBACK_DROPS:
+        if variant != NATIVE and "-march=native" in drop:
+            continue
         try:
-            path = build(cc, out_dir, [f for f in CFLAGS if f not in drop])
+            path = build(cc, out_dir, [f for f in flags if f not in drop])
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             first = first or exc
             continue
@@ -118,9 +193,30 @@ def build_with_fallbacks(cc: str, out_dir: Path) -> Path:
     raise first
 
 
+def _open(cc: str) -> tuple[ctypes.CDLL, str]:
+    """The library of use()'s variant, or of the best one this CPU runs that builds (then the next
+    best: a compiler too old for one's flags), opened; the first error if none does."""
+    names = [_wanted] if _wanted else list(reversed(runnable()))
+    if not _wanted and names != [NATIVE]:
+        names.append(NATIVE)
+    first: Exception | None = None
+    for name in names:
+        try:
+            path = str(build_with_fallbacks(cc, _cache_root(), name))
+            if path not in _opened:
+                _opened[path] = ctypes.CDLL(path)
+        except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+            first = first or exc
+            continue
+        if first is not None:
+            log.warning("native CPU kernels: the %s variant (%s)", name, (str(first).splitlines() or [""])[0])
+        return _opened[path], name
+    raise first
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled library, building it on first use; None (once logged) when unavailable."""
-    global _lib, _tried, _why_not
+    global _lib, _tried, _why_not, _variant
     if _tried:
         return _lib
     _tried = True
@@ -129,7 +225,7 @@ def load() -> ctypes.CDLL | None:
         _why_not = "no C compiler (cc, gcc or clang) on PATH"
     else:
         try:
-            lib = ctypes.CDLL(str(build_with_fallbacks(cc, _cache_root())))
+            lib, chosen = _open(cc)
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             _why_not = str(exc)
         else:
@@ -161,13 +257,14 @@ def load() -> ctypes.CDLL | None:
             stream = os.environ.get(ATTN_STREAM_ENV, "")
             if stream in ("0", "1"):
                 lib.batchgen_attention_stream(int(stream))
-            _lib = lib
+            _lib, _variant = lib, chosen
     if _lib is None:
         log.warning("native CPU kernels unavailable, using the torch path: %s", _why_not)
     return _lib
 
 
-FEATURE_AVX512, FEATURE_AVX2, FEATURE_DP_BF16 = 1, 2, 4  # cpu_kernels_features() bits
+FEATURE_AVX512, FEATURE_AVX2, FEATURE_DP_BF16 = 1, 2, 4  # cpu_kernels_features() bits: the ISA
+FEATURE_GEMM_F32, FEATURE_GEMM_BF16 = 8, 16  # ... and the dtypes its panel GEMM (csrc/cpu_gemm.h) takes
 
 
 AMX_ENV = "BATCHGEN_AMX"  # "0": the vector kernels even where AMX tiles would serve (to compare)

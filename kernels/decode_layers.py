@@ -152,12 +152,12 @@ class DecodeLayers:
             return None
         tensors = self._tensors(kv_caches)
         try:  # where each tensor is and its shape (a weight's form shows in it: plain, panels)
-            key = [(t.data_ptr(), t.shape) for t in tensors]
+            key = [(t.data_ptr(), t.shape) for t in tensors] + [cpu_native.variant()]  # use() switched it
         except RuntimeError:  # oneDNN's packed weights (BATCHGEN_GEMM=onednn) have no data pointer
             return None
         if key != self.key or x.dtype != self.dtype:
             self.key = key
-            self.ok = self._build(tensors, [p for p, _ in key], x.dtype)
+            self.ok = self._build(tensors, [p for p, _ in key[:-1]], x.dtype)
             if self.ok:
                 log.info("CPU decode steps (%s): the %d layers in one native call (%s=0: op by op)",
                          x.dtype, len(self.layers), ENV)

@@ -21,6 +21,23 @@
  * weight's stream from DRAM is the work, and one core reads about half what two do */
 #define GEMM_PARALLEL_WEIGHT (1 << 18)
 
+#if HAVE_SIMD
+/* The thread's next panel into L2 while it works on this one, pf_n lines per step of k (pf_n > 0)
+ * or one line every -pf_n steps: a panel comes from DRAM (a model's weights are far larger than
+ * L3), and without this its first row tile waited on it. Spread over all of the panel's row tiles,
+ * not crowded into the first few: one core reads ~15 GB/s from DRAM, and a burst asked more (fp32,
+ * 64 rows, 30 layers' projections in one process: 54 ms against 65 when the next panel came within
+ * four tiles, 69 without the prefetch). */
+#define GEMM_PREFETCH(pf, k, pf_n)                                                                    \
+    do {                                                                                             \
+        if ((pf_n) > 0)                                                                              \
+            for (int q_ = 0; q_ < (pf_n); q_++) _mm_prefetch((pf) + ((k) * (pf_n) + q_) * 64, _MM_HINT_T1); \
+        else if ((k) % -(pf_n) == 0)                                                                 \
+            _mm_prefetch((pf) + ((k) / -(pf_n)) * 64, _MM_HINT_T1);                                   \
+    } while (0)
+
+#endif
+
 #if HAVE_AVX512
 
 /* the tile's epilogue: acc (+ residual) into out's rows, the first ncols (<= 64) columns; with silu
@@ -41,20 +58,6 @@
             STORE16(out + r * os + c0, m, v);                                                        \
         }                                                                                            \
     }
-
-/* The thread's next panel into L2 while it works on this one, pf_n lines per step of k (pf_n > 0)
- * or one line every -pf_n steps: a panel comes from DRAM (a model's weights are far larger than
- * L3), and without this its first row tile waited on it. Spread over all of the panel's row tiles,
- * not crowded into the first few: one core reads ~15 GB/s from DRAM, and a burst asked more (fp32,
- * 64 rows, 30 layers' projections in one process: 54 ms against 65 when the next panel came within
- * four tiles, 69 without the prefetch). */
-#define GEMM_PREFETCH(pf, k, pf_n)                                                                    \
-    do {                                                                                             \
-        if ((pf_n) > 0)                                                                              \
-            for (int q_ = 0; q_ < (pf_n); q_++) _mm_prefetch((pf) + ((k) * (pf_n) + q_) * 64, _MM_HINT_T1); \
-        else if ((k) % -(pf_n) == 0)                                                                 \
-            _mm_prefetch((pf) + ((k) / -(pf_n)) * 64, _MM_HINT_T1);                                   \
-    } while (0)
 
 /* a bf16 product's epilogue into outv: bf16, or fp32 with GEMM_F32_OUT (residuals are bf16 either way) */
 #define GEMM_STORE_BF16(ACC)                                                                          \
@@ -121,6 +124,129 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(
 }
 #endif
 
+#elif HAVE_AVX2
+/* The same tiles with AVX2 and FMA, for CPUs without AVX-512 (Zen 2/3, Haswell to Comet Lake): 16
+ * ymm registers instead of 32 zmm, so a tile of up to 6 rows takes its panel in four strips of 16
+ * columns, each a pass over all of K with its 12 accumulators in registers (per k, 2 ymm of the
+ * panel serve 6 rows and each x element 16 columns; x's rows come back from L1 for the next strip).
+ * The strips land in a 6 x 64 fp32 buffer whose epilogue adds the residual, or computes silu(gate)
+ * * up across the panel's halves, as the AVX-512 tile's does from its registers. bf16 panels (the
+ * same pairs layout) are widened to fp32 in registers: a pair of k splits into its even and odd
+ * halves with a shift and an and, and each row's pair of x is two broadcasts. */
+static inline __attribute__((always_inline)) void gemm_strip_f32(const int mr, const float *x, int64_t xs,
+                                                                 const float *w, int64_t k_len, float *buf,
+                                                                 const char *pf, int pf_n) {
+    __m256 acc[GEMM_MR][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < k_len; k++, w += GEMM_NR) {
+        if (pf) GEMM_PREFETCH(pf, k, pf_n);
+        const __m256 b0 = _mm256_loadu_ps(w), b1 = _mm256_loadu_ps(w + 8);
+        for (int r = 0; r < mr; r++) {
+            const __m256 a = _mm256_broadcast_ss(x + r * xs + k);
+            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm256_storeu_ps(buf + r * GEMM_NR, acc[r][0]);
+        _mm256_storeu_ps(buf + r * GEMM_NR + 8, acc[r][1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void gemm_strip_bf16(const int mr, const uint16_t *x, int64_t xs,
+                                                                  const uint16_t *w, int64_t pairs, float *buf,
+                                                                  const char *pf, int pf_n) {
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 acc[GEMM_MR][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < pairs; k++, w += 2 * GEMM_NR) {
+        if (pf) GEMM_PREFETCH(pf, k, pf_n);
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 16));
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi));
+        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi));
+        for (int r = 0; r < mr; r++) {
+            const uint16_t *xp = x + r * xs + 2 * k;
+            const __m256 ae = _mm256_set1_ps(bf16_to_f32(xp[0])), ao = _mm256_set1_ps(bf16_to_f32(xp[1]));
+            acc[r][0] = _mm256_fmadd_ps(ao, o0, _mm256_fmadd_ps(ae, e0, acc[r][0]));
+            acc[r][1] = _mm256_fmadd_ps(ao, o1, _mm256_fmadd_ps(ae, e1, acc[r][1]));
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        _mm256_storeu_ps(buf + r * GEMM_NR, acc[r][0]);
+        _mm256_storeu_ps(buf + r * GEMM_NR + 8, acc[r][1]);
+    }
+}
+
+/* buf's mr rows (+ residual, or silu(gate) * up) into out's rows, the first ncols columns; bf16: out
+ * and res hold bf16 (out fp32 with GEMM_F32_OUT), else both fp32 */
+static inline __attribute__((always_inline)) void gemm_epilogue_avx2(const float *buf, const int mr, void *outv,
+                                                                     int64_t os, int ncols, const void *resv,
+                                                                     int64_t rs, const int epi, const int bf16) {
+    const int f32_out = !bf16 || epi == GEMM_F32_OUT;
+    for (int r = 0; r < mr; r++) {
+        const float *b = buf + r * GEMM_NR;
+        for (int c = 0; c < ncols; c += 8) {
+            const int n = ncols - c < 8 ? ncols - c : 8;
+            __m256 v = _mm256_loadu_ps(b + c);
+            if (epi == GEMM_SILU) {
+                const __m256 e = exp256_ps(_mm256_sub_ps(_mm256_setzero_ps(), v));
+                v = _mm256_mul_ps(_mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), _mm256_loadu_ps(b + 32 + c));
+            } else if (resv) {
+                __m256 rv;
+                if (bf16) {
+                    uint16_t tmp[8] = {0};
+                    memcpy(tmp, (const uint16_t *)resv + r * rs + c, sizeof(uint16_t) * (size_t)n);
+                    rv = bf16x8_to_ps(_mm_loadu_si128((const __m128i *)tmp));
+                } else {
+                    rv = _mm256_maskload_ps((const float *)resv + r * rs + c, first_lanes(n));
+                }
+                v = _mm256_add_ps(v, rv);
+            }
+            if (f32_out) {
+                float *o = (float *)outv + r * os + c;
+                if (n == 8) _mm256_storeu_ps(o, v);
+                else _mm256_maskstore_ps(o, first_lanes(n), v);
+            } else {
+                uint16_t *o = (uint16_t *)outv + r * os + c;
+                const __m128i h = ps_to_bf16x8(v);
+                if (n == 8) {
+                    _mm_storeu_si128((__m128i *)o, h);
+                } else {
+                    uint16_t tmp[8];
+                    _mm_storeu_si128((__m128i *)tmp, h);
+                    memcpy(o, tmp, sizeof(uint16_t) * (size_t)n);
+                }
+            }
+        }
+    }
+}
+
+/* the strips a tile computes: every one whose columns reach the output (with silu, a gate strip and
+ * its up strip, 32 columns on) */
+#define GEMM_STRIPS(STRIP, KSTEP)                                                                     \
+    float buf[GEMM_MR * GEMM_NR] __attribute__((aligned(32)));                                       \
+    for (int j = 0; j < 4; j++) {                                                                    \
+        if (16 * (epi == GEMM_SILU ? j % 2 : j) >= ncols) continue;                                  \
+        STRIP(mr, x, xs, w + 16 * KSTEP * j, k_len, buf + 16 * j, j == 0 ? pf : NULL, pf_n);         \
+    }
+
+static inline __attribute__((always_inline)) void gemm_tile_f32(
+    const int mr, const float *x, int64_t xs, const float *w, int64_t k_len, void *outv, int64_t os,
+    int ncols, const float *res, int64_t rs, const char *pf, int pf_n, const int epi) {
+    GEMM_STRIPS(gemm_strip_f32, 1)
+    gemm_epilogue_avx2(buf, mr, outv, os, ncols, res, rs, epi, 0);
+}
+
+static inline __attribute__((always_inline)) void gemm_tile_bf16(
+    const int mr, const uint16_t *x, int64_t xs, const uint16_t *w, int64_t k_len, void *outv,
+    int64_t os, int ncols, const uint16_t *res, int64_t rs, const char *pf, int pf_n, const int epi) {
+    GEMM_STRIPS(gemm_strip_bf16, 2)
+    gemm_epilogue_avx2(buf, mr, outv, os, ncols, res, rs, epi, 1);
+}
+#endif
+
+#if HAVE_SIMD
+
 /* How many parts to split the rows into, so that panels * parts tasks share num_threads threads
  * evenly (at most 5% idle, else the evenest of 1, 2, 4, 8 parts), each part at least min_rows rows. */
 static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads, int64_t min_rows) {
@@ -186,14 +312,14 @@ static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads, int64_
         const T *rb = res ? res + b0 * rs : NULL;                                                    \
         GEMM_BLOCK(TILE, T, KSTEP, SILU, xb, mb, ob, rb)                                             \
     }
-#endif /* HAVE_AVX512 */
+#endif /* HAVE_SIMD */
 
 /* out (m, n), rows os apart = x (m, k), rows xs apart, @ the packed weight (+ res (m, n), rows rs
  * apart, when not NULL; it may be out itself). epi GEMM_SILU (res unused): the weight's panels are
  * gate/up pairs (32 columns of each, kernels/cpu_gemm.py pack_gate_up) and out (m, n) = silu(x @
  * gate.T) * (x @ up.T), n the intermediate size; GEMM_F32_OUT (bf16): out is fp32, the accumulators
  * unrounded (the logits, which the sampler reads as fp32). 0 done, 2 declined (no code for this CPU). */
-#if HAVE_AVX512
+#if HAVE_SIMD
 #define GEMM_RUN(TILE, T, KSTEP)                                                                      \
     if (epi == GEMM_SILU) {                                                                          \
         GEMM_DRIVER(TILE, T, KSTEP, GEMM_SILU)                                                       \
@@ -326,7 +452,7 @@ static int gemm_bf16_amx(const uint16_t *x, int64_t xs, int64_t m, int64_t k, co
 
 int gemm_f32(const float *x, int64_t xs, int64_t m, int64_t k, const float *w, int64_t n, float *out,
              int64_t os, const float *res, int64_t rs, int epi, int num_threads) {
-#if HAVE_AVX512
+#if HAVE_SIMD
     GEMM_RUN(gemm_tile_f32, float, 1)
 #else
     GEMM_DECLINE
@@ -341,6 +467,9 @@ int gemm_bf16(const uint16_t *x, int64_t xs, int64_t m, int64_t k, const uint16_
     if (k % 32 == 0 && amx_on())
         return gemm_bf16_amx(x, xs, m, k, w, n, out, os, res, rs, epi, num_threads);
 #endif
+    GEMM_RUN(gemm_tile_bf16, uint16_t, 2)
+#elif HAVE_AVX2
+    if (k % 2) return 2;
     GEMM_RUN(gemm_tile_bf16, uint16_t, 2)
 #else
     GEMM_DECLINE

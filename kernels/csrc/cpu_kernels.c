@@ -375,14 +375,17 @@ static int64_t first_item_of(const int32_t *context_lens, int hkv, int64_t items
 #include "cpu_kernels_typed.h" /* which undefines the parameters above */
 
 
-/* What this build's kernels use: 1 AVX-512, 2 AVX2, 4 AVX512-BF16's vdpbf16ps (the tiled bf16 prefill). */
+/* What this build's kernels use: 1 AVX-512, 2 AVX2 (without AVX-512), 4 AVX512-BF16's vdpbf16ps (the
+ * tiled bf16 prefill), 8 a panel GEMM for fp32 (cpu_gemm.h: AVX-512 or AVX2), 16 one for bf16
+ * (vdpbf16ps or AMX tiles; with AVX2 widened to fp32 in registers). */
 int cpu_kernels_features(void) {
 #if defined(__AVX512BF16__)
-    const int dp = 4;
+    const int dp = HAVE_AVX512 ? 4 : 0;
 #else
     const int dp = 0;
 #endif
-    return (HAVE_AVX512 ? 1 : 0) | (HAVE_AVX2 ? 2 : 0) | (HAVE_AVX512 ? dp : 0);
+    const int gemm_bf16 = dp || HAVE_AVX2 ? 16 : 0;
+    return (HAVE_AVX512 ? 1 : 0) | (HAVE_AVX2 ? 2 : 0) | dp | (HAVE_SIMD ? 8 : 0) | gemm_bf16;
 }
 
 /* key/value (T, Hkv, D) rows (token strides given in bytes, heads and dims contiguous) into the
@@ -428,6 +431,32 @@ static inline int64_t row_argmax(const float *row, int64_t cols, float *top_out)
             top = _mm512_reduce_max_ps(mv);
             const __mmask16 eq = _mm512_cmp_ps_mask(mv, _mm512_set1_ps(top), _CMP_EQ_OQ);
             best = _mm512_mask_reduce_min_epi32(eq, mi);
+        }
+    }
+#elif HAVE_AVX2
+    if (cols >= 8) { /* as above, 8 at a time */
+        __m256 mv = _mm256_loadu_ps(row);
+        const __m256i step = _mm256_set1_epi32(8);
+        __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), mi = idx;
+        int nan = _mm256_movemask_ps(_mm256_cmp_ps(mv, mv, _CMP_UNORD_Q));
+        for (j = 8; !nan && j + 8 <= cols; j += 8) {
+            const __m256 v = _mm256_loadu_ps(row + j);
+            idx = _mm256_add_epi32(idx, step);
+            nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            const __m256 gt = _mm256_cmp_ps(v, mv, _CMP_GT_OQ); /* strict: keeps the first */
+            mv = _mm256_blendv_ps(mv, v, gt);
+            mi = _mm256_blendv_epi8(mi, idx, _mm256_castps_si256(gt));
+        }
+        if (nan) {
+            nan_at = j - 8 + __builtin_ctz((unsigned)nan);
+        } else {
+            top = hmax256(mv);
+            const int eq = _mm256_movemask_ps(_mm256_cmp_ps(mv, _mm256_set1_ps(top), _CMP_EQ_OQ));
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *)lanes, mi);
+            best = INT64_MAX;
+            for (int l = 0; l < 8; l++)
+                if ((eq >> l & 1) && lanes[l] < best) best = lanes[l];
         }
     }
 #endif

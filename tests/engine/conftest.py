@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.kernels.variants import cpu_variant  # noqa: F401 (a fixture)
+
 SMOLLM2 = "smollm2-135m"
 
 # The synthetic GGUF's shapes: rows are multiples of 32 so every block quantization applies

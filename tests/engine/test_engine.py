@@ -133,7 +133,7 @@ def test_request_timing_is_ordered(ckpt):
         assert m.ttft_s >= m.queue_s >= 0 and m.tpot_s >= 0
 
 
-def test_greedy_steps_take_their_tokens_from_the_head_without_logits(monkeypatch):
+def test_greedy_steps_take_their_tokens_from_the_head_without_logits(monkeypatch, cpu_variant):
     """Where the lm_head is in panels (vocab a multiple of 64) and every sequence of a step is greedy
     without logprobs, penalties or grammar, the runner takes the picks from the head's fused argmax
     (cpu_gemm.argmax_panels): the same tokens as transformers and as BATCHGEN_FUSED_ARGMAX=0. A step
@@ -143,7 +143,8 @@ def test_greedy_steps_take_their_tokens_from_the_head_without_logits(monkeypatch
     ckpt = tiny_hf_checkpoint(vocab_size=128)
     llm = LLM("tiny", checkpoint=ckpt, **CONFIGS["roomy"])
     if not cpu_gemm.is_panels((llm.engine.runner.model.lm_head or llm.engine.runner.model.tied_head).weight):
-        pytest.skip("the lm_head is not in panels here (no AVX-512 panel GEMM): steps read the logits")
+        pytest.skip(f"the lm_head is not in panels in the {cpu_variant} build (no panel GEMM): steps read "
+                    "the logits")
     calls = []
     real = cpu_gemm.argmax_panels
     monkeypatch.setattr(cpu_gemm, "argmax_panels", lambda x, w: calls.append(len(x)) or real(x, w))

@@ -71,3 +71,18 @@ def test_greedy_equals_transformers(prompts, reference, regime):
     if regime["max_num_batched_tokens"] == 64:
         assert any(s.num_prefill_seqs and s.num_decode_seqs for s in stats)
         assert max(s.scheduled_tokens for s in stats) == 64
+
+
+def test_greedy_steps_on_every_cpu_variant_take_the_fused_paths_and_equal_transformers(prompts, reference,
+                                                                                       cpu_variant):
+    """Greedy without logprobs, on each ISA variant this CPU runs (the AVX2 one included): decode
+    steps take the one-call layers and the lm_head's fused argmax, and the tokens equal transformers'."""
+    from kernels import cpu_gemm
+
+    llm = LLM("smollm2-135m", dtype="float32", max_num_seqs=64, max_num_batched_tokens=2048)
+    model = llm.engine.runner.model
+    assert cpu_gemm.is_panels((model.lm_head or model.tied_head).weight)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+    assert model.decode_layers.ok and model.decode_layers.last_error == 0
+    exact = sum(o.token_ids == r[0] for o, r in zip(outs, reference, strict=True))
+    assert exact >= len(prompts) - 2

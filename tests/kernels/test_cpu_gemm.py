@@ -22,19 +22,21 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="this torch bui
 TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
-PANEL_NEEDS = {torch.float32: cpu_native.FEATURE_AVX512, torch.bfloat16: cpu_native.FEATURE_DP_BF16}
+PANEL_NEEDS = {torch.float32: cpu_native.FEATURE_GEMM_F32, torch.bfloat16: cpu_native.FEATURE_GEMM_BF16}
 
 
 def _skip_without_panels(dtype):
     if not cpu_native.features() & PANEL_NEEDS[dtype]:
-        pytest.skip(f"the panel GEMM has no {dtype} code in this build "
-                    "(fp32 needs AVX-512, bf16 AVX512-BF16)")
+        pytest.skip(f"the panel GEMM has no {dtype} code in the {cpu_native.variant()} build "
+                    "(it needs AVX2 and FMA, or AVX-512; bf16 on AVX-512 needs AVX512-BF16)")
 
 
 @pytest.mark.parametrize("form", ["panels", "onednn"])
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("rows", [1, 7, 128, 300])
-def test_packed_linear_matches_f_linear(rows, dtype, form, monkeypatch):
+def test_packed_linear_matches_f_linear(rows, dtype, form, monkeypatch, cpu_variant):
+    if form == "onednn" and cpu_variant != cpu_native.choose():
+        pytest.skip("oneDNN's packed linear is the same whichever variant of the library runs")
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen)
     x, w = x.to(dtype), w.to(dtype)
@@ -65,7 +67,8 @@ def _exact(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("threads", [1, 2])
-def test_panel_kernel_every_tile_height_strided_rows_residual_and_a_partial_panel(dtype, threads):
+def test_panel_kernel_every_tile_height_strided_rows_residual_and_a_partial_panel(dtype, threads,
+                                                                                 cpu_variant):
     """Rows 1..40 cover every tile height (1-6) and the split of rows between threads; x is a
     strided view, `n` leaves part of the last panel unused (masked stores), and the residual is
     added in the epilogue."""
@@ -96,7 +99,7 @@ def test_panel_kernel_every_tile_height_strided_rows_residual_and_a_partial_pane
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("rows", [1, 5, 64, 131])
-def test_gate_up_panels_give_silu_and_mul_in_the_epilogue(rows, dtype):
+def test_gate_up_panels_give_silu_and_mul_in_the_epilogue(rows, dtype, cpu_variant):
     """[gate | up] packed as gate/up panels: one pass gives silu(x @ gate.T) * (x @ up.T)."""
     _skip_without_panels(dtype)
     gen = torch.Generator().manual_seed(rows)
@@ -115,7 +118,7 @@ def test_gate_up_panels_give_silu_and_mul_in_the_epilogue(rows, dtype):
 
 
 @pytest.mark.parametrize("inter", [96, 128])
-def test_a_gate_up_layer_the_pairs_do_not_fit_keeps_its_plain_panels_unfused(inter):
+def test_a_gate_up_layer_the_pairs_do_not_fit_keeps_its_plain_panels_unfused(inter, cpu_variant):
     """2I = 192 is a multiple of a panel (64) but not of a pair of panels: packed as plain panels, the
     layer must not be read as gate/up pairs (it was, and every 2-layer family with I = 96 went wrong)."""
     _skip_without_panels(torch.float32)
@@ -134,7 +137,7 @@ def test_a_gate_up_layer_the_pairs_do_not_fit_keeps_its_plain_panels_unfused(int
     assert torch.equal(layer.weight, plain) and not cpu_gemm.gate_up_panels(layer)
 
 
-def test_model_gate_up_packs_as_pairs_and_unpacks_exactly():
+def test_model_gate_up_packs_as_pairs_and_unpacks_exactly(cpu_variant):
     _skip_without_panels(torch.float32)
     torch.manual_seed(0)
     model = Transformer(PRESETS["tiny"]).eval()
@@ -146,14 +149,16 @@ def test_model_gate_up_packs_as_pairs_and_unpacks_exactly():
     assert torch.equal(model.layers[0].mlp.gate_up_proj.weight, plain)
 
 
-def test_a_build_without_avx512_declines_and_packing_keeps_onednn(monkeypatch, tmp_path):
-    """The library as an AVX2-only CPU gets it (-mno-avx512f after -march=native): its GEMM entry
-    declines instead of running, and packing picks oneDNN (or nothing) for every weight."""
+def test_a_build_without_simd_declines_and_packing_keeps_onednn(monkeypatch, tmp_path):
+    """The library without AVX2 or AVX-512 (-mno-avx2 after the variant's flags, as a CPU older than
+    Haswell gets it): its GEMM entry declines instead of running, and packing picks oneDNN (or
+    nothing) for every weight."""
     from tests.kernels.test_cpu_native import _fresh_build_with
 
     real = shutil.which("gcc") or shutil.which("cc")
-    _fresh_build_with(monkeypatch, tmp_path, "exec " + real + ' "$@" -mno-avx512f\n')
-    assert cpu_native.load() is not None and not cpu_native.features() & cpu_native.FEATURE_AVX512
+    _fresh_build_with(monkeypatch, tmp_path, "exec " + real + ' "$@" -mno-avx2\n')
+    assert cpu_native.load() is not None
+    assert not cpu_native.features() & (cpu_native.FEATURE_GEMM_F32 | cpu_native.FEATURE_GEMM_BF16)
     w = torch.randn(128, 64)
     assert not cpu_gemm.panels_apply(w) and not cpu_gemm.panels_apply(w.bfloat16())
     packed = cpu_gemm.pack(w)
@@ -179,7 +184,7 @@ def test_a_build_without_amx_keeps_bf16_with_onednn_on_an_amx_cpu(monkeypatch, t
     assert packed is None or packed.is_mkldnn
 
 
-def test_packing_summary_counts_each_gemm_path():
+def test_packing_summary_counts_each_gemm_path(cpu_variant):
     _skip_without_panels(torch.float32)
     model = Transformer(PRESETS["tiny"]).eval()
     assert cpu_gemm.packing_summary(model) == "panel GEMM 0 (SiLU fused into 0), oneDNN 0, plain 8"
@@ -195,7 +200,7 @@ def test_packing_summary_says_when_bf16_panels_run_on_amx(monkeypatch):
     assert cpu_gemm.packing_summary(model).startswith("panel GEMM 8 (AMX tiles, SiLU fused into 2)")
 
 
-def test_panel_kernel_keeps_nan_and_inf_in_their_rows():
+def test_panel_kernel_keeps_nan_and_inf_in_their_rows(cpu_variant):
     _skip_without_panels(torch.float32)
     w = torch.randn(64, 32)
     x = torch.randn(8, 32)
@@ -219,7 +224,7 @@ def test_panel_kernel_rejects_what_does_not_fit():
         cpu_gemm.linear_panels(torch.randn(4, 32), panels, residual=torch.randn(4, 63))
 
 
-BOTH = cpu_native.FEATURE_AVX512 | cpu_native.FEATURE_DP_BF16
+BOTH = cpu_native.FEATURE_GEMM_F32 | cpu_native.FEATURE_GEMM_BF16
 
 
 def test_panels_take_only_what_the_kernel_has_code_for(monkeypatch):
@@ -232,10 +237,10 @@ def test_panels_take_only_what_the_kernel_has_code_for(monkeypatch):
     assert not cpu_gemm.panels_apply(torch.randn(128, 47).bfloat16())  # odd K in pairs
     assert cpu_gemm.panels_apply(torch.randn(128, 47))  # fp32 takes any K
     assert not cpu_gemm.panels_apply(torch.randn(128, 48).half())
-    monkeypatch.setattr(cpu_native, "features", lambda: cpu_native.FEATURE_AVX512)  # no vdpbf16ps
+    monkeypatch.setattr(cpu_native, "features", lambda: cpu_native.FEATURE_GEMM_F32)  # AVX-512, no vdpbf16ps
     assert not cpu_gemm.panels_apply(torch.randn(128, 48).bfloat16())
     assert cpu_gemm.panels_apply(torch.randn(128, 48))
-    monkeypatch.setattr(cpu_native, "features", lambda: cpu_native.FEATURE_AVX2)  # an AVX2-only build
+    monkeypatch.setattr(cpu_native, "features", lambda: cpu_native.FEATURE_AVX512)  # no GEMM code at all
     assert not cpu_gemm.panels_apply(torch.randn(128, 48))
     monkeypatch.setattr(cpu_native, "features", lambda: BOTH)
     monkeypatch.setenv(cpu_gemm.GEMM_ENV, "onednn")
@@ -312,7 +317,7 @@ def test_amx_tiles_match_the_exact_product_and_the_vector_kernel(threads, vdpbf1
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
-def test_a_prefill_sized_product_runs_as_mm_on_the_unpacked_weight(dtype, monkeypatch):
+def test_a_prefill_sized_product_runs_as_mm_on_the_unpacked_weight(dtype, monkeypatch, cpu_variant):
     """From unpack_rows() rows on, a plain product over panels is torch.mm on the weight unpacked for
     the call (the same numbers to the bit, a partial last panel and strided rows of x included);
     below it, and with the SiLU, residual or fp32-logits epilogues, the panel kernel runs as before."""
@@ -341,7 +346,8 @@ def test_a_prefill_sized_product_runs_as_mm_on_the_unpacked_weight(dtype, monkey
 
 @pytest.mark.parametrize("dtype,tiles", [(torch.float32, "vector"), (torch.bfloat16, "vector"),
                                          (torch.bfloat16, "amx")])
-def test_argmax_panels_picks_what_argmax_of_the_logits_picks(dtype, tiles, vdpbf16ps, monkeypatch):
+def test_argmax_panels_picks_what_argmax_of_the_logits_picks(dtype, tiles, vdpbf16ps, monkeypatch,
+                                                             cpu_variant):
     """argmax_panels: each thread folds its run of panels a chunk at a time, then the threads' picks
     are folded in column order. The same picks as argmax over the whole logits, to the index, on 1, 2
     and 3 threads, for rows of every tile height and strided rows of x: with the largest logit tied
@@ -405,7 +411,7 @@ def test_unpack_rows_follows_the_cpu_and_the_switch(monkeypatch):
 
 
 @pytest.mark.parametrize("tiles", ["amx", "vector"])
-def test_bf16_logits_come_out_as_the_unrounded_fp32_accumulators(tiles, vdpbf16ps):
+def test_bf16_logits_come_out_as_the_unrounded_fp32_accumulators(tiles, vdpbf16ps, cpu_variant):
     """out_dtype=float32: the fp32 sums as they are (within fp32 error of float64), where bf16
     output is off by bf16's rounding; the lm_head's ops.linear_logits takes that path."""
     _skip_without_panels(torch.bfloat16)
@@ -538,7 +544,7 @@ def test_packing_is_in_place_no_second_copy():
 
 def test_gemm_peak_counts_the_paths_the_engine_runs():
     peaks = measure_gemm_peaks("float32", "cpu", seconds=0.2)
-    panels = cpu_native.features() & cpu_native.FEATURE_AVX512
+    panels = cpu_native.features() & cpu_native.FEATURE_GEMM_F32
     want = {"torch.mm", "onednn-packed"} | ({"panels"} if panels else set())
     assert set(peaks) == want and min(peaks.values()) > 0
 

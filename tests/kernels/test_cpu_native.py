@@ -46,7 +46,7 @@ DTYPES = list(TOLERANCE)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", DECODE_SHAPES)
 def test_decode_matches_naive_loop_and_reads_only_its_context(num_q_heads, num_kv_heads, head_dim,
-                                                              block_size, dtype):
+                                                              block_size, dtype, cpu_variant):
     # nan outside every context: a read outside one would poison the output
     inputs = make_paged_inputs([1] * len(DECODE_LENS), DECODE_LENS, num_q_heads, num_kv_heads, head_dim,
                                block_size, dtype=dtype, garbage=float("nan"))
@@ -75,7 +75,7 @@ def test_any_thread_count_gives_the_same_answer(num_threads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_decode_attention_gives_the_same_answer_with_and_without_its_l2_stream(dtype):
+def test_decode_attention_gives_the_same_answer_with_and_without_its_l2_stream(dtype, cpu_variant):
     """The stream only prefetches: switching it (BATCHGEN_ATTN_STREAM) leaves every output bit as it was."""
     lens = [5, 300, 1, 64, 65, 129, 2, 40]
     inputs = make_paged_inputs([1] * len(lens), lens, 9, 3, 64, 16, dtype=dtype, garbage=float("nan"))
@@ -222,7 +222,7 @@ def test_a_failed_build_falls_back_to_torch_and_says_why(monkeypatch, tmp_path, 
     assert torch.isfinite(out).all()
 
 
-def test_elementwise_kernels_match_the_torch_references_on_strided_inputs():
+def test_elementwise_kernels_match_the_torch_references_on_strided_inputs(cpu_variant):
     from kernels.activation import silu_and_mul_ref
     from kernels.rms_norm import fused_add_rms_norm_ref, rms_norm_ref
     from kernels.rotary import make_cos_sin_cache, rotary_embedding_ref
@@ -253,7 +253,7 @@ def test_elementwise_kernels_match_the_torch_references_on_strided_inputs():
     assert torch.equal(qkv[:, 12 * 64 :], v_before)  # v untouched
 
 
-def test_elementwise_kernels_in_bf16_round_once_as_the_references_do():
+def test_elementwise_kernels_in_bf16_round_once_as_the_references_do(cpu_variant):
     """bf16 in and out, fp32 inside: the residual sum and RMSNorm round where Hugging Face's Llama
     rounds (so they equal the references bit for bit); SiLU-and-mul and rotary round once at the end,
     within a step of bf16 of the fp32 computation."""
@@ -330,7 +330,7 @@ def test_store_kv_cache_writes_strided_rows_skips_minus_one_and_refuses_bad_slot
 
 
 @pytest.mark.parametrize("cols", [1, 7, 16, 17, 100, 49152])
-def test_argmax_matches_torch_first_maximum_and_first_nan(cols):
+def test_argmax_matches_torch_first_maximum_and_first_nan(cols, cpu_variant):
     """Ties go to the first index, a NaN anywhere wins (the first one), rows may be strided; the
     NaNs sit in the first 16-wide chunk, a later one and the scalar tail."""
     gen = torch.Generator().manual_seed(cols)
@@ -380,7 +380,7 @@ def test_inputs_with_a_strided_last_dim_take_the_torch_path():
     torch.testing.assert_close(ops.silu_and_mul(x), torch.nn.functional.silu(x[:, :32]) * x[:, 32:])
 
 
-def test_a_bf16_model_step_on_the_native_kernels_matches_the_torch_path():
+def test_a_bf16_model_step_on_the_native_kernels_matches_the_torch_path(cpu_variant):
     """A whole mixed step (two decodes, one prefill chunk) of a bf16 model: every op the native
     kernels take (norms, rotary, KV store, decode attention, SiLU) against the torch references."""
     from engine.model import PRESETS, Transformer
@@ -431,16 +431,61 @@ def _dp_bf16() -> bool:
     return bool(cpu_native.features() & cpu_native.FEATURE_DP_BF16)
 
 
-def test_the_library_is_built_for_the_vector_units_this_cpu_has():
+def test_each_variant_is_built_for_the_vector_units_it_names(cpu_variant):
+    """The library a variant loads uses its ISA, whatever the CPU has beyond it (an AVX-512 machine
+    runs the AVX2 code too), and its panel GEMM takes both dtypes."""
+    got = cpu_native.features()
+    avx512 = cpu_variant in ("avx512", "avx512bf16", "amx")
+    assert bool(got & cpu_native.FEATURE_AVX512) == avx512
+    assert bool(got & cpu_native.FEATURE_AVX2) == (cpu_variant == "avx2")
+    assert bool(got & cpu_native.FEATURE_DP_BF16) == (cpu_variant in ("avx512bf16", "amx"))
+    assert got & cpu_native.FEATURE_GEMM_F32
+    assert bool(got & cpu_native.FEATURE_GEMM_BF16) == (cpu_variant != "avx512")
+    assert cpu_native.amx() == (cpu_variant == "amx")
+
+
+AVX2_CPU = frozenset("fpu sse sse2 avx avx2 fma f16c bmi1 bmi2 movbe".split())  # Zen 3, no AVX-512
+ZEN4 = AVX2_CPU | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"}
+
+
+def test_the_process_runs_the_best_variant_its_cpu_executes():
+    assert cpu_native.runnable(AVX2_CPU, x86=True) == ["avx2"]
+    assert cpu_native.choose(AVX2_CPU, x86=True) == "avx2"
+    assert cpu_native.choose(ZEN4 - {"avx512_bf16"}, x86=True) == "avx512"  # Skylake-X, Ice Lake
+    assert cpu_native.runnable(ZEN4, x86=True) == ["avx2", "avx512", "avx512bf16"]
+    assert cpu_native.choose(ZEN4 | {"amx_tile", "amx_bf16"}, x86=True) == "amx"  # Sapphire Rapids
+    assert cpu_native.choose(AVX2_CPU - {"fma"}, x86=True) == cpu_native.NATIVE  # older than Haswell
+    assert cpu_native.choose(ZEN4, x86=False) == cpu_native.NATIVE  # aarch64: the compiler's pick
+    assert cpu_native.choose() == cpu_native.runnable()[-1]
+
+
+def test_a_cpu_without_avx512_never_loads_the_avx512_library(monkeypatch, tmp_path):
+    """On an AVX2-only CPU the library built and loaded is the avx2 one (-march=x86-64-v3, no
+    AVX-512 code), and asking for an AVX-512 variant is refused, naming what the CPU lacks, before
+    anything is built or loaded."""
     from kernels import cpu_features
 
-    if "-march=native" not in cpu_native.CFLAGS:
-        pytest.skip("built for another target than this CPU")
-    flags, got = cpu_features.cpu_flags(), cpu_native.features()
-    avx512 = {"avx512f", "avx512bw", "avx512vl"}
-    assert bool(got & cpu_native.FEATURE_AVX512) == (avx512 <= flags)
-    assert bool(got & cpu_native.FEATURE_DP_BF16) == (avx512 | {"avx512_bf16"} <= flags)
-    assert bool(got & (cpu_native.FEATURE_AVX512 | cpu_native.FEATURE_AVX2)) == ({"avx2", "fma"} <= flags)
+    cc = shutil.which("gcc") or shutil.which("cc")
+    built = []
+    real_build = cpu_native.build
+    monkeypatch.setattr(cpu_native, "build",
+                        lambda cc, out, flags=None: built.append(flags) or real_build(cc, out, flags))
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: AVX2_CPU)
+    monkeypatch.setattr(cpu_native, "_x86", lambda: True)
+    _fresh_build_with(monkeypatch, tmp_path, "exec " + cc + ' "$@"\n')
+    monkeypatch.setattr(cpu_native, "_wanted", None)
+    assert cpu_native.load() is not None and cpu_native.variant() == "avx2"
+    assert built == [cpu_native.cflags("avx2")] and "-march=x86-64-v3" in built[0]
+    assert not any("avx512" in f or "x86-64-v4" in f for f in built[0])
+    assert cpu_native.features() & cpu_native.FEATURE_AVX2
+    assert not cpu_native.features() & cpu_native.FEATURE_AVX512
+    for name in ("avx512", "avx512bf16", "amx"):
+        with pytest.raises(ValueError, match=f"cannot run the {name} kernels: it lacks .*avx512bw"):
+            cpu_native.use(name)
+    with pytest.raises(ValueError, match="unknown CPU kernel variant 'avx9'"):
+        cpu_native.use("avx9")
+    assert built == [cpu_native.cflags("avx2")]
+    cpu_native.use(None)
 
 
 # prompts (query = context) and chunks of longer contexts (query < context), tiles whole and cut
@@ -466,7 +511,7 @@ def test_tiled_prefill_matches_the_reference_and_reads_only_contexts(num_q_heads
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_tiled_prefill_gives_the_same_answer_on_any_thread_count_and_strided_queries():
+def test_tiled_prefill_gives_the_same_answer_on_any_thread_count_and_strided_queries(cpu_variant):
     if not _dp_bf16():
         pytest.skip("the library has no AVX512-BF16 (CPU or build flags): prefill takes the row-by-row path")
     inputs = make_paged_inputs([37, 5, 64], [37, 70, 64], 9, 3, 64, 16, dtype=torch.bfloat16,

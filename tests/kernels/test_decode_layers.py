@@ -10,14 +10,14 @@ from engine.model import PRESETS, Transformer
 from kernels import cpu_gemm, cpu_native, decode_layers, ops
 from kernels.metadata import build_attention_metadata
 
-PANEL_NEEDS = {torch.float32: cpu_native.FEATURE_AVX512, torch.bfloat16: cpu_native.FEATURE_DP_BF16}
+PANEL_NEEDS = {torch.float32: cpu_native.FEATURE_GEMM_F32, torch.bfloat16: cpu_native.FEATURE_GEMM_BF16}
 BLOCK, NUM_BLOCKS = 16, 24
 
 
 def _model(dtype, seed=0):
     if not cpu_native.features() & PANEL_NEEDS[dtype]:
-        pytest.skip(f"the panel GEMM has no {dtype} code in this build "
-                    "(fp32 needs AVX-512, bf16 AVX512-BF16)")
+        pytest.skip(f"the panel GEMM has no {dtype} code in the {cpu_native.variant()} build "
+                    "(it needs AVX2 and FMA, or AVX-512; bf16 on AVX-512 needs AVX512-BF16)")
     torch.manual_seed(seed)
     model = Transformer(PRESETS["tiny"]).eval().to(dtype)
     with torch.no_grad():
@@ -63,7 +63,7 @@ CONTEXTS = [[1], [1, 17, 33, 5, 60, 16, 32], [100, 2, 64]]
 
 @pytest.mark.parametrize("context_lens", CONTEXTS, ids=lambda c: f"{len(c)}seqs")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_decode_is_bit_identical_to_the_per_op_path(dtype, context_lens, monkeypatch):
+def test_fused_decode_is_bit_identical_to_the_per_op_path(dtype, context_lens, monkeypatch, cpu_variant):
     model = _model(dtype)
     ids, positions, meta = _decode_step(model, context_lens)
     fused_caches, op_caches = _caches(model, dtype), _caches(model, dtype)
@@ -176,7 +176,7 @@ def test_a_weight_that_changes_form_in_place_is_not_read_as_panels():
 
 
 def test_the_log_says_once_that_decode_steps_take_one_call(caplog):
-    model = _model(torch.bfloat16 if cpu_native.features() & cpu_native.FEATURE_DP_BF16 else torch.float32)
+    model = _model(torch.bfloat16 if cpu_native.features() & cpu_native.FEATURE_GEMM_BF16 else torch.float32)
     dtype = model.embed_tokens.weight.dtype
     caches = _caches(model, dtype)
     ids, positions, meta = _decode_step(model, [3, 4])
