@@ -116,7 +116,8 @@ def redis_fleet(tmp_path_factory):
     worker = None
     try:
         with flower(settings, data_dir, root) as flower_url:
-            worker = Worker(data_dir, settings, "fleet", root, *WORKER_ARGS)
+            name = f"fleet-{settings.queue.rsplit('.', 1)[-1]}"  # own name: Celery's pidbox queue is per name
+            worker = Worker(data_dir, settings, name, root, *WORKER_ARGS)
             worker.wait_ready()
             # Flower hears the worker's heartbeat events: it shows online from events, not only from inspect
             wait_for(lambda: [w for w in get_json(flower_url + "/workers?json=1")["data"]
@@ -225,7 +226,9 @@ def fleet_worker(request, tmp_path):
         return
     data_dir = tmp_path / "data"
     settings = broker_for("amqp", data_dir, unique_queue("fleet"))
-    worker = Worker(data_dir, settings, "fleet-amqp", tmp_path, *WORKER_ARGS)
+    # a name of its own: Celery declares an exclusive pidbox queue per worker name on the shared server
+    name = f"fleet-amqp-{settings.queue.rsplit('.', 1)[-1]}"
+    worker = Worker(data_dir, settings, name, tmp_path, *WORKER_ARGS)
     try:
         worker.wait_ready()
         yield settings, data_dir, worker
