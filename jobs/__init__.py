@@ -5,8 +5,9 @@
     manifest.py        DATA_DIR/jobs/<job_id>/: manifest.json, shard files, lease dir, cancel marker
     broker.py          BATCHGEN_BROKER_URL (redis/amqp) or the embedded broker; timeouts from shard size
     embedded_broker.py a kombu transport over SQLite with a visibility timeout (no server needed)
-    celery_app.py      the Celery app and its one thin task, run_shard
-    shard_runner.py    process_shard: skip / claim / run / commit / retry one shard delivery
+    celery_app.py      the Celery app: settings per broker and queue (publishers send the task by name)
+    shard_runner.py    process_shard: skip / claim / run / commit / retry one shard delivery; the
+                       Celery task run_shard, registered on a worker's app
     engine_loop.py     EngineLoop: the one thread that owns a worker's engine, fed by every shard
     worker_runtime.py  WorkerRuntime: the engine loop, heartbeats, cancel, the janitor, engine faults
     shards/            a shard's life: ShardState, leases, the ledger, supervision (progress, dead

@@ -1,15 +1,16 @@
-"""The Celery app and its one task: run a shard. The task is a thin wrapper over `jobs.shard_runner`.
+"""The Celery app: its settings for a broker and queue.
 
-Delivery guarantees: late acks (a message is acknowledged when its
+Its one task, `batchgen.run_shard`, is a thin wrapper over `jobs.shard_runner`, which registers it on
+a worker's app (`register_shard_task`); publishers (`jobs.shards.broker_messages.publish_shard`) send
+it by name and need no task. Delivery guarantees: late acks (a message is acknowledged when its
 shard is committed, failed for good, or handed to a retry), rejected when the worker is lost, one
 message prefetched per worker thread, retries with exponential backoff up to the job's
 `max_retries`. Idempotence lives in the shard runner: a committed shard is never generated again.
 
-Publishing (`publish_shard`) goes through `send_task` by name, so `submit`, `status` and `retry`
-never import the engine. A shard task's id names its job and shard
-(`jobs.shards.broker_messages.shard_task_id`), so `celery inspect active`, Flower and `celery control
-revoke` show and take ids a person can read, and a worker that hears a revoke knows which job it is
-about (jobs.revoke).
+Publishing goes through `send_task` by name, so `submit`, `status` and `retry` never import the
+engine. A shard task's id names its job and shard (`jobs.shards.broker_messages.shard_task_id`), so
+`celery inspect active`, Flower and `celery control revoke` show and take ids a person can read, and a
+worker that hears a revoke knows which job it is about (jobs.revoke).
 
 Celery's own tools: `celery -A jobs.celery_app inspect ping|active|stats|active_queues` and Flower
 use the module attribute `app`, built on first access for the broker in force ($BATCHGEN_BROKER_URL,
@@ -26,17 +27,14 @@ import logging
 import os
 
 from celery import Celery
-from celery.exceptions import Reject
 from kombu import Exchange, Queue
 
 import jobs.embedded_broker  # noqa: F401 - registers the embedded transport with kombu
 from jobs.broker import BROKER_ENV, EMBEDDED, BrokerSettings, resolve_broker
-from jobs.shards.broker_messages import shard_task_id
 
 log = logging.getLogger(__name__)
 
 TASK_NAME = "batchgen.run_shard"
-MAX_DELIVERY_RETRIES = 10  # retries of a delivery that failed before its shard attempt began
 
 
 def celery_config(settings: BrokerSettings) -> dict:
@@ -91,23 +89,11 @@ def worker_options(settings: BrokerSettings) -> dict:
 
 @functools.lru_cache(maxsize=16)
 def make_app(settings: BrokerSettings) -> Celery:
-    """A Celery app for one broker and queue, with the shard task registered (cached per settings)."""
+    """A Celery app for one broker and queue (cached per settings). A worker registers the shard task
+    on it (jobs.shard_runner.register_shard_task); publishers send the task by name."""
     app = Celery("batchgen", set_as_current=False)
     app.conf.update(celery_config(settings))
-    app.task(bind=True, name=TASK_NAME, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
-             max_retries=None)(run_shard)
     return app
-
-
-def publish_shard(settings: BrokerSettings, job_id: str, shard_id: int, *, countdown: float | None = None,
-                  retries: int = 0) -> None:
-    """Send one shard task: the job and shard ids only, never prompts or paths (the worker finds the
-    shard in its own data dir, wherever that is mounted). `retries` carries over the retries a shard
-    already used (a re-queued shard keeps its retry budget)."""
-    kwargs = {"job_id": job_id, "shard_id": shard_id}
-    make_app(settings).send_task(TASK_NAME, kwargs=kwargs, queue=settings.queue, routing_key=settings.queue,
-                                 countdown=countdown, retries=retries,
-                                 task_id=shard_task_id(job_id, shard_id))
 
 
 def __getattr__(name: str) -> Celery:
@@ -122,28 +108,3 @@ def __getattr__(name: str) -> Celery:
                     "inspect/control and Flower see no workers; set it to the redis:// or amqp:// URL "
                     "the workers use", BROKER_ENV)
     return make_app(settings)
-
-
-def run_shard(self, job_id: str, shard_id: int, shard_path: str | None = None, data_dir: str | None = None
-              ) -> dict:
-    """Run one shard in this worker's engine; retry it with backoff when it fails. The job is read from
-    the worker's own data dir (`shard_path` and `data_dir`, which messages of older batchgen versions
-    carry, are ignored: they may name another host's mount point)."""
-    from jobs.shard_runner import ShardTask, process_shard
-    from jobs.worker_runtime import current_runtime
-
-    runtime = current_runtime()
-    task = ShardTask(job_id, shard_id, str(runtime.data_dir), retries=self.request.retries)
-    try:
-        outcome = process_shard(task, runtime)
-    except Exception as exc:  # before an attempt began (data dir unreachable, ...): do not lose the message
-        if self.request.retries >= MAX_DELIVERY_RETRIES:
-            raise
-        log.warning("shard %s/%d could not start (%s); retrying", job_id, shard_id, exc)
-        raise self.retry(exc=exc, countdown=min(2.0 * 2 ** self.request.retries, 300.0)) from exc
-    log.info("shard %s/%d: %s", job_id, shard_id, outcome.describe())
-    if outcome.result == "handed_back":
-        raise Reject(outcome.reason, requeue=True)
-    if outcome.retry_in_s is not None:
-        raise self.retry(countdown=outcome.retry_in_s)
-    return outcome.as_dict()

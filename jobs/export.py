@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 
 from jobs import openai_batch
 from jobs.manifest import REQUEST_ID_COLUMN, ROW_COLUMN, URL_COLUMN, JobManifest
+from jobs.shards.state import ShardState, from_view_status
 from jobs.store import INTERNAL_PREFIX, OUTPUTS, connect, new_uid, unreadable_part_message
 
 OUTPUT_SUFFIXES = (".parquet", ".jsonl")
@@ -159,10 +160,11 @@ def _stand_ins(manifest: JobManifest, schema: pa.Schema, missing: list[str], inp
     rows = []
     for rid in missing:
         shard_id = inputs[rid].shard_id
-        status, error, _ = shards.get(shard_id, ("queued", None, None))
-        if status == "failed":
+        status, error, _ = shards.get(shard_id, (ShardState.QUEUED.view_status, None, None))
+        state = from_view_status(status)
+        if state is ShardState.FAILED:
             rows.append(_stand_in(manifest, rid, "error", f"shard {shard_id} failed: {error}"))
-        elif status == "cancelled":
+        elif state is ShardState.CANCELLED:
             rows.append(_stand_in(manifest, rid, "cancelled", "job cancelled before this row ran"))
         else:
             raise ExportError(f"job {manifest.job_id} is not finished: shard {shard_id} is {status} "
@@ -185,9 +187,10 @@ def _write_openai(manifest: JobManifest, table: pa.Table, inputs: dict[str, _Inp
     ok, failed = [], []
     for rid, samples in _requests(table):
         where = inputs[rid]
-        status, _, finished = shards.get(where.shard_id, ("queued", None, None))
+        status, _, finished = shards.get(where.shard_id, (ShardState.QUEUED.view_status, None, None))
+        failed_shard = from_view_status(status) is ShardState.FAILED
         line, good = openai_batch.output_line(manifest.job_id, rid, where.url, samples,
-                                              server_error=status == "failed", created=int(finished or 0))
+                                              server_error=failed_shard, created=int(finished or 0))
         (ok if good else failed).append(json.dumps(line, ensure_ascii=False))
     err_path = errors_path(path)
     _write_lines(path, iter(ok))

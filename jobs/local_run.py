@@ -128,6 +128,9 @@ class LocalRun:
             pending = resume_job(self.manifest, self.broker)
         except JobBusyError as exc:
             raise RunError(str(exc)) from None
+        if pending is None:  # the run that made it was interrupted before publishing it
+            publish_job(self.manifest, self.broker)
+            pending = [s.shard_id for s in self.manifest.shards]
         click.echo(describe_resume(self.manifest, pending), err=True)
         return bool(pending)
 

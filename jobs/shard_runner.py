@@ -1,6 +1,7 @@
 """One delivery of a shard task, as a plain function: skip it, run it, or say when to retry it.
 
-`process_shard(task, runtime)` is what the Celery task calls (and what tests call directly):
+`process_shard(task, runtime)` is what the Celery task (`run_shard`, registered on a worker's app by
+`register_shard_task`) calls, and what tests call directly:
 
 0. hand the message back (requeue) when the worker is shutting down: it only finishes what it holds;
 1. skip when the shard is committed (tasks are idempotent), its job was cancelled, or a live attempt
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 600.0
+MAX_DELIVERY_RETRIES = 10  # retries of a delivery that failed before its shard attempt began
 SEED_MIN, SEED_SPAN = -(1 << 63), 3 << 63  # SamplingParams' seed range: [-2**63, 2**64)
 
 
@@ -271,3 +273,42 @@ def _failed(task: ShardTask, manifest: JobManifest, ledger: ShardLedger, claim: 
 def _reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+# ---------------------------------------------------------------- the Celery task
+
+
+def register_shard_task(app) -> None:
+    """Register the shard task on a worker's Celery app (jobs.celery_app.make_app); a publisher sends it
+    by name and needs no task."""
+    from jobs.celery_app import TASK_NAME
+
+    if TASK_NAME not in app.tasks:
+        app.task(bind=True, name=TASK_NAME, acks_late=True, reject_on_worker_lost=True, ignore_result=True,
+                 max_retries=None)(run_shard)
+
+
+def run_shard(self, job_id: str, shard_id: int, shard_path: str | None = None, data_dir: str | None = None
+              ) -> dict:
+    """Run one shard in this worker's engine; retry it with backoff when it fails. The job is read from
+    the worker's own data dir (`shard_path` and `data_dir`, which messages of older batchgen versions
+    carry, are ignored: they may name another host's mount point)."""
+    from celery.exceptions import Reject
+
+    from jobs.worker_runtime import current_runtime
+
+    runtime = current_runtime()
+    task = ShardTask(job_id, shard_id, str(runtime.data_dir), retries=self.request.retries)
+    try:
+        outcome = process_shard(task, runtime)
+    except Exception as exc:  # before an attempt began (data dir unreachable, ...): do not lose the message
+        if self.request.retries >= MAX_DELIVERY_RETRIES:
+            raise
+        log.warning("shard %s/%d could not start (%s); retrying", job_id, shard_id, exc)
+        raise self.retry(exc=exc, countdown=min(2.0 * 2 ** self.request.retries, 300.0)) from exc
+    log.info("shard %s/%d: %s", job_id, shard_id, outcome.describe())
+    if outcome.result == "handed_back":
+        raise Reject(outcome.reason, requeue=True)
+    if outcome.retry_in_s is not None:
+        raise self.retry(countdown=outcome.retry_in_s)
+    return outcome.as_dict()

@@ -236,7 +236,7 @@ def _move_into_place(staging: Path, final: JobPaths, manifest: JobManifest) -> N
 
 def publish_job(manifest: JobManifest, broker: BrokerSettings) -> None:
     """Record the job and its queued shards in the store, then send one task per shard."""
-    from jobs.celery_app import publish_shard
+    from jobs.shards.broker_messages import publish_shard
 
     store = Store(manifest.data_dir)
     store.record_job(job_record(manifest))

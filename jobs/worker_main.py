@@ -51,11 +51,13 @@ def run_worker(config: EngineConfig, settings: BrokerSettings, data_dir: str, wo
     from celery import signals
 
     from jobs.celery_app import make_app, worker_options
+    from jobs.shard_runner import register_shard_task
     from jobs.shards.supervise import maintenance
     from jobs.worker_runtime import WorkerRuntime, set_runtime
 
     exit_with_parent()
     app = make_app(settings)
+    register_shard_task(app)
     _celery_notices_to_logging()
     record = _record(config, settings, worker_id, concurrency)
     metrics = _serve_metrics(worker_id, config, metrics_at, record) if metrics_at else None

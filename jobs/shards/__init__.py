@@ -6,7 +6,7 @@
 - `ledger`: `ShardLedger`, the one write path of every transition (lease file and store event together).
 - `supervise`: progress read from the leases, and the janitor that re-queues dead attempts and
   re-publishes shards whose message the broker lost.
-- `broker_messages`: which shard messages a broker still holds.
+- `broker_messages`: a shard's message: publishing it, its task id, and which ones a broker holds.
 - `resume`: the same `batchgen run` command again finds its job and queues what is left of it.
 - `control`: `batchgen cancel` and `retry`.
 

@@ -1,8 +1,9 @@
-"""A shard's messages: their task ids, and which of them a broker still holds.
+"""A shard's messages: publishing one, their task ids, and which of them a broker still holds.
 
-A shard message's task id names its job and shard (`shard_task_id`, read back by
-`parse_shard_task_id`), so `celery inspect`, Flower and a revoke show ids a person can read, and the
-broker's contents can be matched with the shards that wait.
+`publish_shard` sends a shard's task by name (jobs.celery_app). A shard message's task id names its
+job and shard (`shard_task_id`, read back by `parse_shard_task_id`), so `celery inspect`, Flower and
+a revoke show ids a person can read, and the broker's contents can be matched with the shards that
+wait.
 
 Which messages a broker holds is the other half of reconciling queued shards: a message can vanish
 before any worker claims it (a flushed or failed-over Redis, a deleted embedded broker file); its
@@ -56,6 +57,19 @@ def _shards_of(messages: Iterable[dict]) -> set[tuple[str, int]]:
         if parsed is not None:
             found.add(parsed)
     return found
+
+
+def publish_shard(settings: BrokerSettings, job_id: str, shard_id: int, *, countdown: float | None = None,
+                  retries: int = 0) -> None:
+    """Send one shard task: the job and shard ids only, never prompts or paths (the worker finds the
+    shard in its own data dir, wherever that is mounted). `retries` carries over the retries a shard
+    already used (a re-queued shard keeps its retry budget)."""
+    from jobs.celery_app import TASK_NAME, make_app
+
+    kwargs = {"job_id": job_id, "shard_id": shard_id}
+    make_app(settings).send_task(TASK_NAME, kwargs=kwargs, queue=settings.queue, routing_key=settings.queue,
+                                 countdown=countdown, retries=retries,
+                                 task_id=shard_task_id(job_id, shard_id))
 
 
 def shard_task_id(job_id: str, shard_id: int) -> str:

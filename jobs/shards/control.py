@@ -25,7 +25,7 @@ def cancel_job(manifest: JobManifest, reason: str) -> bool:
 
 def retry_failed_shards(manifest: JobManifest, broker: BrokerSettings) -> list[int]:
     """Publish again the shards that failed for good, with a fresh retry budget; their ids."""
-    from jobs.celery_app import publish_shard
+    from jobs.shards.broker_messages import publish_shard
 
     ledger = ShardLedger(manifest.data_dir, manifest.job_id)
     if ledger.cancelled:
@@ -49,8 +49,7 @@ def retry_stuck_shards(manifest: JobManifest, broker: BrokerSettings,
     does not hold (on RabbitMQ, which cannot tell: every such shard); their ids. Nothing waits for
     $BATCHGEN_REPUBLISH_AFTER_S here: the user asked (`skip`: shards just re-queued). A duplicate
     message is harmless (one claim runs at a time, the first commit wins)."""
-    from jobs.celery_app import publish_shard
-    from jobs.shards.broker_messages import live_shard_messages
+    from jobs.shards.broker_messages import live_shard_messages, publish_shard
     from jobs.shards.supervise import retries_used, waiting_since
 
     ledger = ShardLedger(manifest.data_dir, manifest.job_id)

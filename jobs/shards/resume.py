@@ -120,19 +120,19 @@ def _cancelled(manifest: JobManifest) -> bool:
     return JobPaths.of(manifest.data_dir, manifest.job_id).cancel_marker.exists()
 
 
-def resume_job(manifest: JobManifest, broker: BrokerSettings) -> list[int]:
+def resume_job(manifest: JobManifest, broker: BrokerSettings) -> list[int] | None:
     """Queue again every shard of the job that is not committed; their ids (empty: nothing left).
+    None when the job was never published (its run was interrupted between writing the manifest and
+    publishing it): the caller publishes the whole job (jobs.submit.publish_job).
 
     Refuses (JobBusyError) while an attempt of the job is alive. The job's own queue is emptied
     first, so each shard is queued once. A committed shard whose lease files are gone (deleted, or
     not copied) gets them back from its commit, so progress read from leases sees it done."""
-    from jobs.celery_app import publish_shard
-    from jobs.submit import publish_job
+    from jobs.shards.broker_messages import publish_shard
 
     store = Store(manifest.data_dir)
-    if not _recorded(manifest):  # interrupted between writing the manifest and publishing it
-        publish_job(manifest, broker)
-        return [s.shard_id for s in manifest.shards]
+    if not _recorded(manifest):
+        return None
     leases = ShardLeases(JobPaths.of(manifest.data_dir, manifest.job_id).leases)
     claims = leases.claimed_attempts()
     _check_idle(manifest, leases, claims)

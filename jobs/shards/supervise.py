@@ -142,7 +142,7 @@ def _leases_mtime(root: str, job_id: str) -> float:
 
 
 def _requeue_job(manifest: JobManifest, store: Store, broker: BrokerSettings) -> list[tuple[str, int]]:
-    from jobs.celery_app import publish_shard
+    from jobs.shards.broker_messages import publish_shard
 
     ledger = ShardLedger(manifest.data_dir, manifest.job_id, store)
     if ledger.cancelled:
@@ -233,7 +233,7 @@ def _republish_lost(manifest: JobManifest, store: Store, broker: BrokerSettings,
 
 def _republish(manifest: JobManifest, store: Store, target: BrokerSettings, leases: ShardLeases,
                shard_id: int, since: float, attempts: list[int]) -> bool:
-    from jobs.celery_app import publish_shard
+    from jobs.shards.broker_messages import publish_shard
 
     if store.committed(manifest.job_id, shard_id) is not None:
         return False

@@ -13,9 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from dashboard import create_app
-from jobs.celery_app import publish_shard
 from jobs.commands import retry, status
-from jobs.shards.broker_messages import live_shard_messages
+from jobs.shards.broker_messages import live_shard_messages, publish_shard
 from jobs.shards.supervise import job_progress, requeue_dead_shards
 from jobs.status import job_status as status_of
 from tests.jobs.helpers import (

@@ -13,9 +13,10 @@ from celery.app.utils import find_app
 
 from jobs import celery_app
 from jobs.broker import resolve_broker
-from jobs.celery_app import celery_config, worker_options
+from jobs.celery_app import TASK_NAME, celery_config, make_app, worker_options
 from jobs.manifest import JobPaths
 from jobs.revoke import RevokeWatcher
+from jobs.shard_runner import register_shard_task
 from jobs.shards.broker_messages import parse_shard_task_id, shard_task_id
 from jobs.store.parts import Store
 from jobs.submit import JobRequest, prepare_job, publish_job
@@ -29,9 +30,19 @@ def test_celery_finds_the_app_for_the_broker_in_force(tmp_path, monkeypatch):
     app = find_app("jobs.celery_app")  # what `celery -A jobs.celery_app ...` does
     assert isinstance(app, Celery) and app is celery_app.app is celery_app.celery
     assert app.conf.broker_url == "redis://127.0.0.1:6379/13" and app.conf.task_default_queue == "fleet-q"
-    assert "batchgen.run_shard" in app.tasks
+    assert TASK_NAME not in app.tasks  # the tools send and inspect it by name; a worker registers it
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         celery_app.nope  # noqa: B018
+
+
+def test_a_workers_app_runs_the_shard_task_and_a_publishers_needs_none(tmp_path):
+    settings = resolve_broker(str(tmp_path), queue="register-q", embedded=True)  # its own cached app
+    app = make_app(settings)
+    assert TASK_NAME not in app.tasks
+    register_shard_task(app)
+    register_shard_task(app)  # a second registration changes nothing
+    task = app.tasks[TASK_NAME]
+    assert task.acks_late and task.reject_on_worker_lost and task.ignore_result and task.max_retries is None
 
 
 def test_embedded_app_warns_that_celery_tools_see_nothing(tmp_path, monkeypatch, caplog):

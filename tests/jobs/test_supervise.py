@@ -5,9 +5,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from jobs import celery_app
 from jobs.broker import resolve_broker
 from jobs.manifest import JobPaths
+from jobs.shards import broker_messages
 from jobs.shards.leases import ShardLeases
 from jobs.shards.supervise import job_progress, requeue_dead_shards
 from jobs.store import connect
@@ -29,7 +29,7 @@ def test_a_shard_whose_workers_keep_dying_fails_after_max_retries(tmp_path, monk
     request = JobRequest(str(src), str(data_dir), {"model": MODEL}, {"max_tokens": 4}, 2, max_retries=2)
     m = prepare_job(request, settings)
     published = []
-    monkeypatch.setattr(celery_app, "publish_shard",
+    monkeypatch.setattr(broker_messages, "publish_shard",
                         lambda *args, retries=0, **kw: published.append((args[1], args[2], retries)))
     leases = ShardLeases(JobPaths.of(m.data_dir, m.job_id).leases)
 
