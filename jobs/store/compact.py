@@ -123,11 +123,12 @@ def compact_job(data_dir: str | os.PathLike, job_id: str, *, force: bool = False
 
 
 def compact_live_job(data_dir: str | os.PathLike, job_id: str, *, min_age_s: float = 30.0,
-                     min_parts: int = LIVE_MIN_PARTS, max_compacted: int = LIVE_MAX_COMPACTED
-                     ) -> CompactionReport:
+                     min_parts: int | None = None, max_compacted: int | None = None) -> CompactionReport:
     """Compact a job that is still running, incrementally (see the module docstring): per kind, its raw
-    parts older than `min_age_s` once there are `min_parts` of them, with the smallest compacted files
-    once there are more than `max_compacted`."""
+    parts older than `min_age_s` once there are `min_parts` (LIVE_MIN_PARTS) of them, with the smallest
+    compacted files once there are more than `max_compacted` (LIVE_MAX_COMPACTED)."""
+    min_parts = LIVE_MIN_PARTS if min_parts is None else min_parts
+    max_compacted = LIVE_MAX_COMPACTED if max_compacted is None else max_compacted
     layout = init_data_dir(data_dir)
     check_id("job_id", job_id)
     report = CompactionReport()
