@@ -183,19 +183,23 @@ def dashboard_queries() -> dict[str, tuple[str, dict]]:
     }
 
 
-def time_round(con, data_dir: str, manifest, queries: dict) -> dict[str, float]:
-    """One run of every query and of `status`: name -> milliseconds."""
+def time_round(con, data_dir: str, manifest, queries: dict, timeout_s: float) -> dict[str, float]:
+    """One run of every query (interrupted past `timeout_s`, as the dashboard's are: it then counts as
+    `timeout_s`) and of `status`: name -> milliseconds."""
     from jobs.status import job_status, jobs_status
+    from jobs.store import QueryTimeout, run_query
 
     out = {}
     for name, (sql, params) in queries.items():
         cur = con.cursor()
         t = time.perf_counter()
         try:
-            cur.execute(sql, params or None).fetchall()
+            run_query(cur, sql, params or None, timeout_s=timeout_s, max_rows=200_000)
+            out[name] = (time.perf_counter() - t) * 1000
+        except QueryTimeout:
+            out[name] = timeout_s * 1000
         finally:
             cur.close()
-        out[name] = (time.perf_counter() - t) * 1000
     t = time.perf_counter()
     jobs_status(data_dir)
     out["status_all_jobs"] = (time.perf_counter() - t) * 1000
@@ -233,7 +237,7 @@ def run(args: argparse.Namespace, data_dir: Path) -> dict:
         while procs[0].is_alive():
             fraction = done.value / args.requests
             samples.append((time.time() - t0, fraction, time_round(con, str(data_dir), manifest,
-                                                                   dashboard_queries())))
+                                                                   dashboard_queries(), args.timeout_s)))
             files = sum(1 for _ in (data_dir / "store").rglob("*.parquet"))
             slowest = max(samples[-1][2].items(), key=lambda kv: kv[1])
             print(f"{time.time() - t0:7.0f} s {100 * fraction:6.2f}% {files:7d} files, "
@@ -242,7 +246,7 @@ def run(args: argparse.Namespace, data_dir: Path) -> dict:
                 stop.set()
         for _ in range(args.final_rounds):  # the finished job, before any compaction of it
             samples.append((time.time() - t0, done.value / args.requests,
-                            time_round(con, str(data_dir), manifest, dashboard_queries())))
+                            time_round(con, str(data_dir), manifest, dashboard_queries(), args.timeout_s)))
     finally:
         stop.set()
         for p in procs:
@@ -263,6 +267,7 @@ def report(samples: list[tuple[float, float, dict]], args: argparse.Namespace, w
     for name in names:
         every = [t[name] for _, _, t in samples]
         table[name] = {"p50_ms": statistics.median(every), "p95_ms": _p(every, 0.95), "max_ms": max(every),
+                       "timeouts": sum(1 for v in every if v >= args.timeout_s * 1000),
                        "worst_tenth_p95_ms": max(_p([t[name] for t in ts], 0.95) for ts in tenths.values()),
                        "p95_ms_by_tenth": [round(_p([t[name] for t in ts], 0.95), 1)
                                            for _, ts in sorted(tenths.items())]}
@@ -276,7 +281,8 @@ def report(samples: list[tuple[float, float, dict]], args: argparse.Namespace, w
           f"{files} Parquet files in the store at the end")
     print(f"{'query':34} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'worst tenth p95':>16}")
     for name, row in table.items():
-        flag = "" if row["worst_tenth_p95_ms"] < 300 else "  > 300 ms"
+        flag = ("" if row["worst_tenth_p95_ms"] < 300 else "  > 300 ms") + (
+            f", {row['timeouts']} timed out" if row["timeouts"] else "")
         print(f"{name:34} {row['p50_ms']:8.0f} {row['p95_ms']:8.0f} {row['max_ms']:8.0f} "
               f"{row['worst_tenth_p95_ms']:16.0f}{flag}")
     return out
@@ -296,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
                          "compact (running jobs too)")
     ap.add_argument("--compact-every-s", type=float, default=60.0, help="the janitor's interval")
     ap.add_argument("--min-age-s", type=float, default=30.0, help="parts younger than this stay raw")
+    ap.add_argument("--timeout-s", type=float, default=30.0,
+                    help="a query's limit (the dashboard's PAGE_QUERY_TIMEOUT_S); past it, it counts as this")
     ap.add_argument("--final-rounds", type=int, default=3, help="rounds timed once the job is written")
     ap.add_argument("--max-s", type=float, default=0.0, help="stop writing after this (0: the whole job)")
     ap.add_argument("--data-dir", type=Path, default=None, help="default: a temporary directory, deleted")
