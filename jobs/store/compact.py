@@ -17,6 +17,15 @@ then the parts count. `collect_garbage` deletes the inputs of a tombstone only a
 a running query never has a file deleted under it.
 
 Compaction is physical only: the rows, and so every view's answer, are the same before and after.
+
+A running job is compacted too (`compact_live_job`, from the janitor's `compact`): every view scans
+every file of its kind, so a 10M-request job left raw until it ends has its views read 100,000+
+small files, seconds a query. A running job's group is merged once LIVE_MIN_PARTS raw parts are older
+than `min_age_s`: the raw parts alone go into a new compacted file (the job's earlier compacted files
+are not rewritten), and once a group holds more than LIVE_MAX_COMPACTED compacted files the smallest
+of them are merged together, so a group keeps a bounded number of files whose sizes grow
+geometrically (each row is rewritten a logarithmic number of times, not once per compaction). Their
+inputs go after LIVE_GRACE_S, not GRACE_S: until then every query still lists and opens them.
 """
 
 from __future__ import annotations
@@ -41,6 +50,12 @@ GRACE_S = 600.0  # inputs of a compaction are deleted this long after it
 STALE_LOCK_S = 900.0  # a lock older than this belongs to a dead compactor
 TMP_MAX_AGE_S = 3600.0  # temporary files older than this belong to dead writers
 TERMINAL = ("completed", "failed", "cancelled")
+LIVE_MIN_PARTS = 64  # a running job's group is compacted once this many of its raw parts are old enough
+LIVE_MAX_COMPACTED = 8  # past this many compacted files in a running job's group, the smallest are merged
+# inputs of a running job's compaction are deleted this long after it: 4x the dashboard's 30 s limit on
+# a query (PAGE_QUERY_TIMEOUT_S) and 12x `batchgen sql`'s 10 s; a query that meets a deleted part is
+# run again (jobs.store.usersql.run_query)
+LIVE_GRACE_S = 120.0
 
 # kind -> ORDER BY of its compacted file (row groups then prune well for the dashboard's filters)
 _SORT = {
@@ -75,11 +90,15 @@ class CompactionReport:
 
 def compact(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S,
             min_age_s: float = 30.0) -> CompactionReport:
-    """Compact every finished job and all telemetry, collect garbage, refresh the catalog file."""
+    """Compact every finished job, the parts of running ones (`compact_live_job`) and all telemetry,
+    collect garbage, refresh the catalog file."""
     layout = init_data_dir(data_dir)
     report = CompactionReport()
-    for job_id in _finished_jobs(layout):
+    finished = _finished_jobs(layout)
+    for job_id in finished:
         report.add(compact_job(layout.root, job_id, force=True))
+    for job_id in sorted(set().union(*(_groups(layout, kind) for kind in JOB_KINDS)) - set(finished)):
+        report.add(compact_live_job(layout.root, job_id, min_age_s=min_age_s))
     report.add(compact_telemetry(layout.root, min_age_s=min_age_s))
     report.deleted += collect_garbage(layout.root, grace_s=grace_s)
     write_catalog(layout.root)
@@ -100,6 +119,34 @@ def compact_job(data_dir: str | os.PathLike, job_id: str, *, force: bool = False
         return report
     for kind in JOB_KINDS:
         report.add(compact_group(layout, kind, job_id))
+    return report
+
+
+def compact_live_job(data_dir: str | os.PathLike, job_id: str, *, min_age_s: float = 30.0,
+                     min_parts: int | None = None, max_compacted: int | None = None) -> CompactionReport:
+    """Compact a job that is still running, incrementally (see the module docstring): per kind, its raw
+    parts older than `min_age_s` once there are `min_parts` (LIVE_MIN_PARTS) of them, with the smallest
+    compacted files once there are more than `max_compacted` (LIVE_MAX_COMPACTED)."""
+    min_parts = LIVE_MIN_PARTS if min_parts is None else min_parts
+    max_compacted = LIVE_MAX_COMPACTED if max_compacted is None else max_compacted
+    layout = init_data_dir(data_dir)
+    check_id("job_id", job_id)
+    report = CompactionReport()
+    for kind in JOB_KINDS:
+        with _group_lock(layout, kind, job_id) as locked:
+            if not locked:
+                report.skipped.append(f"{kind}/{job_id}: another compactor holds the lock")
+                continue
+            compacted, raw = _live_inputs(layout, kind, job_id, min_age_s)
+            inputs = list(raw) if len(raw) >= min_parts else []
+            if len(compacted) > max_compacted:  # the smallest first: sizes grow geometrically
+                inputs += sorted(compacted, key=lambda p: _size(p))[:max_compacted]
+            if len(inputs) < 2:
+                continue
+            report.rows += _merge(layout, kind, inputs, layout.compacted_dir(kind, job_id))
+            _write_tombstone(layout, kind, job_id, inputs, grace_s=LIVE_GRACE_S)
+            report.groups += 1
+            report.files_in += len(inputs)
     return report
 
 
@@ -142,7 +189,9 @@ def collect_garbage(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S) ->
     now = time.time()
     for tomb in sorted(layout.gc.glob("*.json")):
         info = json.loads(tomb.read_text())
-        if now - info["superseded_at"] < grace_s:
+        grace = max(min(grace_s, info.get("grace_s", grace_s)),
+                    catalog.ACTIVATION_DELAY_S + catalog.clock_skew_s())
+        if now - info["superseded_at"] < grace:
             continue
         with _group_lock(layout, info["kind"], info["group"]) as locked:
             if locked:
@@ -189,6 +238,20 @@ def _inputs(layout: Layout, kind: str, group: str, min_age_s: float) -> list[Pat
     return compacted + raw
 
 
+def _live_inputs(layout: Layout, kind: str, group: str, min_age_s: float) -> tuple[list[Path], list[Path]]:
+    """(compacted files, raw parts older than `min_age_s`) of a group, none merged already."""
+    files = _inputs(layout, kind, group, min_age_s)
+    return ([p for p in files if p.parent.parent.name == "compacted"],
+            [p for p in files if p.parent.parent.name == "raw"])
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
 def _merged_already(layout: Layout, kind: str, group: str) -> set[Path]:
     files: set[Path] = set()
     for tomb in layout.gc.glob(f"{kind}~{group}~*.json"):
@@ -225,9 +288,12 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> int:
     return rows
 
 
-def _write_tombstone(layout: Layout, kind: str, group: str, inputs: list[Path]) -> None:
+def _write_tombstone(layout: Layout, kind: str, group: str, inputs: list[Path],
+                     grace_s: float | None = None) -> None:
     body = {"kind": kind, "group": group, "superseded_at": time.time(),
             "files": [layout.relative(p) for p in inputs]}
+    if grace_s is not None:  # shorter than collect_garbage's (a running job's parts: LIVE_GRACE_S)
+        body["grace_s"] = grace_s
     write_atomic(layout.gc / f"{kind}~{group}~{new_uid()}.json", json.dumps(body).encode(), layout.tmp)
 
 
