@@ -122,6 +122,9 @@ def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
 
 
 GATE_UP = "batchgen_gate_up"  # an nn.Linear with this attribute true holds [gate | up] rows (2I, K)
+# set by pack_linears on such a layer whose weight it packed as gate/up pairs (pack_gate_up); a [gate | up]
+# weight the pairs do not fit (2I not a multiple of 2 * PANEL) is packed as plain panels and lacks it
+PAIRED = "batchgen_gate_up_paired"
 
 
 def pack_gate_up(weight: torch.Tensor) -> torch.Tensor:
@@ -291,14 +294,13 @@ def pack_linears(module: nn.Module) -> bool:
         if is_packed(m.weight):
             continue
         pairs = getattr(m, GATE_UP, False) and m.weight.shape[0] % (2 * PANEL) == 0
-        if enabled() and pairs and panels_apply(m.weight):
-            packed = pack_gate_up(m.weight)
-        else:
-            packed = pack(m.weight)
+        paired = enabled() and pairs and panels_apply(m.weight)
+        packed = pack_gate_up(m.weight) if paired else pack(m.weight)
         if packed is None:
             done = False
             continue
         m.weight = nn.Parameter(packed, requires_grad=False)  # the plain tensor is freed here
+        setattr(m, PAIRED, paired)
     return done
 
 
@@ -308,11 +310,13 @@ def unpack_linears(module: nn.Module) -> None:
         if is_packed(m.weight):
             plain = unpack_gate_up(m.weight) if gate_up_panels(m) else unpack(m.weight)
             m.weight = nn.Parameter(plain.contiguous(), requires_grad=False)
+            setattr(m, PAIRED, False)
 
 
 def gate_up_panels(layer: nn.Linear) -> bool:
-    """Whether layer's weight is packed as gate/up panels (linear_panels(silu=True) applies)."""
-    return getattr(layer, GATE_UP, False) and is_panels(layer.weight)
+    """Whether layer's weight is packed as gate/up panels (linear_panels(silu=True) applies): not
+    merely a [gate | up] layer in panels, which may hold them as plain panels."""
+    return getattr(layer, GATE_UP, False) and getattr(layer, PAIRED, False) and is_panels(layer.weight)
 
 
 def packing_summary(module: nn.Module) -> str:

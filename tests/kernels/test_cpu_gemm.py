@@ -114,6 +114,26 @@ def test_gate_up_panels_give_silu_and_mul_in_the_epilogue(rows, dtype):
     torch.testing.assert_close(got, ops.silu_and_mul(F.linear(x, w)), atol=atol * 4, rtol=rtol * 4)
 
 
+@pytest.mark.parametrize("inter", [96, 128])
+def test_a_gate_up_layer_the_pairs_do_not_fit_keeps_its_plain_panels_unfused(inter):
+    """2I = 192 is a multiple of a panel (64) but not of a pair of panels: packed as plain panels, the
+    layer must not be read as gate/up pairs (it was, and every 2-layer family with I = 96 went wrong)."""
+    _skip_without_panels(torch.float32)
+    gen = torch.Generator().manual_seed(inter)
+    layer = nn.Linear(64, 2 * inter, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(2 * inter, 64, generator=gen) * 0.2)
+    setattr(layer, cpu_gemm.GATE_UP, True)
+    plain = layer.weight.detach().clone()
+    x = torch.randn(5, 64, generator=gen)
+    assert cpu_gemm.pack_linears(layer) and cpu_gemm.is_panels(layer.weight)
+    assert cpu_gemm.gate_up_panels(layer) == (2 * inter % (2 * cpu_gemm.PANEL) == 0)
+    torch.testing.assert_close(ops.linear_silu_and_mul(x, layer), ops.silu_and_mul(F.linear(x, plain)),
+                               atol=1e-5, rtol=1e-5)
+    cpu_gemm.unpack_linears(layer)
+    assert torch.equal(layer.weight, plain) and not cpu_gemm.gate_up_panels(layer)
+
+
 def test_model_gate_up_packs_as_pairs_and_unpacks_exactly():
     _skip_without_panels(torch.float32)
     torch.manual_seed(0)
