@@ -111,6 +111,7 @@ def measure_gemm_peaks(dtype_name: str = "float32", device: str = "cpu", seconds
     taken against the best of them."""
     import torch
 
+    from benchmarks.gemm import PATHS
     from engine.model_runner import DTYPES
     from kernels import cpu_gemm
 
@@ -122,7 +123,7 @@ def measure_gemm_peaks(dtype_name: str = "float32", device: str = "cpu", seconds
 
         probe = torch.zeros(cpu_gemm.PANEL, 2, dtype=dtype)
         for name, path in (("onednn-packed", "oneDNN packed"), ("panels", "panels")):
-            pack = cpu_gemm.PATHS[path]  # returns None where the path does not apply (dtype, CPU)
+            pack = PATHS[path]  # returns None where the path does not apply (dtype, CPU)
             if pack(probe) is not None:
                 paths[name] = packed(pack)
     peaks = {}

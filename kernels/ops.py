@@ -200,6 +200,7 @@ def configure(kernel_options: KernelOptions) -> None:
     """The kernel options every call follows from now on (an engine built with kernel_options sets
     them; the process's engines share the kernels, so the last one built decides)."""
     options.configure(kernel_options)
+    cpu_native.apply_options()  # the library-wide switches (AMX, the attention's L2 stream), if loaded
 
 
 def set_backend(name: str | None) -> None:

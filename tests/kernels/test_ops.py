@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels import ops, options
+from kernels import cpu_native, ops, options
 from kernels.options import KernelOptions
 from kernels.testing import make_paged_inputs
 from tests.kernels.cases import ATTENTION_BATCHES, assert_close, require_triton
@@ -39,10 +39,18 @@ def test_every_op_has_every_backend_and_cpu_native_falls_back_per_call():
 def test_the_environment_is_not_read(monkeypatch):
     """The old switches (BATCHGEN_KERNELS and the variant switches) do nothing now: the options object
     is the one way in."""
-    for name, value in (("BATCHGEN_KERNELS", "torch"), ("BATCHGEN_NATIVE", "0"), ("BATCHGEN_ONEDNN", "0")):
+    from kernels import cpu_gemm, decode_layers
+
+    old = {"BATCHGEN_KERNELS": "torch", "BATCHGEN_NATIVE": "0", "BATCHGEN_ONEDNN": "0",
+           "BATCHGEN_GEMM": "onednn", "BATCHGEN_PREFILL_GEMM": "panels", "BATCHGEN_FUSED_ARGMAX": "0",
+           "BATCHGEN_FUSED_DECODE": "0", "BATCHGEN_AMX": "0", "BATCHGEN_ATTN_STREAM": "0"}
+    for name, value in old.items():
         monkeypatch.setenv(name, value)
     ops.set_backend(None)
     assert ops.get_backend(torch.zeros(1)) == "cpu-native" and options.current() == KernelOptions()
+    assert cpu_native.enabled() and cpu_gemm.enabled() and decode_layers.enabled()
+    ops.configure(KernelOptions(native=False, onednn=False, fused_decode=False))
+    assert not (cpu_native.enabled() or cpu_gemm.enabled() or decode_layers.enabled())
 
 
 def test_set_backend_changes_only_the_backend():
