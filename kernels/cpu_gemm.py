@@ -75,7 +75,7 @@ def packs_dtype(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool
 
 def panels_apply(weight: torch.Tensor) -> bool:
     """Whether the panel kernel takes this (N, K) weight: a library built with AVX-512 (fp32) or
-    AVX512-BF16 (bf16), N a multiple of PANEL, an even K in bf16, and no BATCHGEN_GEMM=onednn."""
+    AVX512-BF16 (bf16), N a multiple of PANEL, an even K in bf16, and panel_gemm on (kernels/options.py)."""
     if not options.current().panel_gemm or not cpu_native.enabled():
         return False
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[0] % PANEL or weight.shape[0] == 0:
@@ -243,7 +243,7 @@ def argmax_panels(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor | None:
     """Each row's argmax of x (T, K) @ W.T, (T,) int64, W in panels (pack_panels), without the (T, N)
     product: each thread folds its chunks of argmax_chunk_cols columns into its picks while they are
     in its cache. The same picks as argmax(linear_f32(x, W)) (first maximum, first NaN). None where it
-    does not apply: not panels, a panel GEMM this CPU has no code for, or BATCHGEN_FUSED_ARGMAX=0."""
+    does not apply: not panels, a panel GEMM this CPU has no code for, or fused_argmax off."""
     global _argmax_scratch
     if not options.current().fused_argmax or not is_panels(panels) or panels.dim() not in (3, 4):
         return None

@@ -151,7 +151,7 @@ class DecodeLayers:
         tensors = self._tensors(kv_caches)
         try:  # where each tensor is and its shape (a weight's form shows in it: plain, panels)
             key = [(t.data_ptr(), t.shape) for t in tensors]
-        except RuntimeError:  # oneDNN's packed weights (BATCHGEN_GEMM=onednn) have no data pointer
+        except RuntimeError:  # oneDNN's packed weights (panel_gemm off) have no data pointer
             return None
         if key != self.key or x.dtype != self.dtype:
             self.key = key
