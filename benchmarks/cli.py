@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
                    "Throughput, latency and MFU of the engine on a seeded workload (--baseline hf|vllm)."),
     "profile": ("benchmarks.profile_step:main", "Where a decode step's time goes (torch.profiler)."),
     "kernels": ("benchmarks.kernel_ops:main", "Every kernel against its torch reference, timed."),
+    "gemm": ("benchmarks.gemm:main", "GFLOP/s of each CPU GEMM path at the model's shapes."),
     "model-load": ("benchmarks.model_load:main", "Time and memory of loading a 1B checkpoint."),
     "store": ("benchmarks.store_queries:main", "The dashboard's queries over a synthetic job."),
     "dashboard-load": ("benchmarks.dashboard_load:main",

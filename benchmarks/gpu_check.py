@@ -810,6 +810,10 @@ def child_main(spec_path: str) -> int:
     ctx = Context(**spec["ctx"])
     try:
         use_device(ctx.torch_device)
+        if ctx.torch_device.type == "cpu":  # the Triton kernels, through the interpreter (section_env_vars)
+            from kernels import ops
+
+            ops.set_backend("triton")
         module, _, name = spec["target"].partition(":")
         fn = globals()[name] if module == "self" else getattr(importlib.import_module(module), name)
         fn(out, ctx)
@@ -839,11 +843,11 @@ def plan(args: argparse.Namespace) -> list[Section]:
 
 
 def section_env_vars(device: torch.device) -> dict[str, str]:
-    """The environment the sections run in: on the CPU, the Triton kernels through the interpreter
-    (set before kernels are imported, hence here)."""
+    """The environment the sections run in: on the CPU, the Triton interpreter (set before kernels are
+    imported, hence here; child_main picks the Triton kernels)."""
     env = dict(os.environ)
     if device.type == "cpu":
-        env.update(TRITON_INTERPRET="1", BATCHGEN_KERNELS="triton")
+        env.update(TRITON_INTERPRET="1")
     env.pop("BATCHGEN_KERNEL_CONFIGS", None)  # only a table this run tuned is named
     return env
 

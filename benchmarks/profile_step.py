@@ -13,9 +13,7 @@ Numbers, not pass/fail; on a shared machine compare shares within one run, not a
 from __future__ import annotations
 
 import contextlib
-import os
 import time
-from unittest import mock
 
 import click
 
@@ -85,7 +83,7 @@ def main(num_seqs, prompt_len, steps, top, **engine_kw):
 
     from benchmarks.throughput import build_llm, make_workload
     from engine.sampling_params import SamplingParams
-    from kernels import decode_layers
+    from kernels import decode_layers, options
 
     llm = build_llm(engine_config(engine_kw))
     engine = llm.engine
@@ -104,10 +102,10 @@ def main(num_seqs, prompt_len, steps, top, **engine_kw):
                f"{(total - inside) / total:.0%} of it outside the model's forward"
                + (" (the layers in one native call)" if fused else ""))
     # the table op by op: the fused call (kernels/decode_layers.py) would show as one opaque range
-    with mock.patch.dict(os.environ, {decode_layers.ENV: "0"}):
+    with options.override(fused_decode=False):
         if fused:
             total, _ = _decode_steps(engine, steps)
-            click.echo(f"op by op ({decode_layers.ENV}=0): {total / steps * 1e3:.1f} ms a decode step")
+            click.echo(f"op by op (fused_decode=off): {total / steps * 1e3:.1f} ms a decode step")
         with labelled_ops(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             _decode_steps(engine, steps)
     click.echo(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import click
 
+from benchmarks.machine import describe, machine_info
 from benchmarks.throughput import (
     BenchResult,
     Workload,
@@ -157,6 +158,7 @@ def sweep(num_requests, prompt_len, output_len, shared_prefix, seed, max_num_seq
                                  first.engine.model_args.vocab_size, seed, shared_prefix)
     del first
     peak = measure_gemm_peak(base.dtype, base.device)
+    click.echo(describe(machine_info(base.device)))
     click.echo(f"workload: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt tokens, "
                f"{workload.output_tokens} output tokens; GEMM peak {peak / 1e9:.1f} GFLOP/s")
 

@@ -111,6 +111,7 @@ def measure_gemm_peaks(dtype_name: str = "float32", device: str = "cpu", seconds
     taken against the best of them."""
     import torch
 
+    from benchmarks.gemm import PATHS
     from engine.model_runner import DTYPES
     from kernels import cpu_gemm
 
@@ -122,7 +123,7 @@ def measure_gemm_peaks(dtype_name: str = "float32", device: str = "cpu", seconds
 
         probe = torch.zeros(cpu_gemm.PANEL, 2, dtype=dtype)
         for name, path in (("onednn-packed", "oneDNN packed"), ("panels", "panels")):
-            pack = cpu_gemm.PATHS[path]  # returns None where the path does not apply (dtype, CPU)
+            pack = PATHS[path]  # returns None where the path does not apply (dtype, CPU)
             if pack(probe) is not None:
                 paths[name] = packed(pack)
     peaks = {}
@@ -333,6 +334,28 @@ def workload_options(f):
     return f
 
 
+def kernel_option_flag(f):
+    """--kernel-option NAME=VALUE (repeatable): a kernel variant to compare (kernels/options.py)."""
+    return click.option(
+        "--kernel-option", "kernel_option", multiple=True, metavar="NAME=VALUE",
+        help="a kernel variant, to compare (repeatable): backend=torch|triton|cpu-native, or native, onednn, "
+             "panel_gemm, prefill_unpack, fused_argmax, fused_decode, amx, attn_stream =on|off")(f)
+
+
+def with_kernel_options(config, items: tuple[str, ...]):
+    """config with the --kernel-option items applied (unchanged without any)."""
+    if not items:
+        return config
+    from dataclasses import replace
+
+    from kernels.options import KernelOptions
+
+    try:
+        return replace(config, kernel_options=KernelOptions.parse(items, config.kernel_options))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--kernel-option") from None
+
+
 def build_llm(config, checkpoint=None):
     from engine.llm import LLM
 
@@ -361,13 +384,14 @@ def build_llm(config, checkpoint=None):
                    "round's ratios and their median [default: 2 with --baseline vllm/all or "
                    "--constrained-share, else 1]")
 @click.option("--json", "as_json", is_flag=True, help="print results as JSON")
+@kernel_option_flag
 def bench(num_requests, prompt_len, output_len, shared_prefix, seed, baseline, hf_batch_size,
-          constrained_share, sampled, rounds, as_json, **engine_kw):
+          constrained_share, sampled, rounds, as_json, kernel_option, **engine_kw):
     """Benchmark the engine on a seeded synthetic workload (ignore_eos; greedy, and sampled unless
     --greedy-only; the baselines run greedy)."""
     prompt_lens = parse_range(prompt_len, "--prompt-len")
     output_lens = parse_range(output_len, "--output-len")
-    llm = build_llm(engine_config(engine_kw))
+    llm = build_llm(with_kernel_options(engine_config(engine_kw), kernel_option))
     args = llm.engine.model_args
     workload = make_workload(num_requests, prompt_lens, output_lens, args.vocab_size, seed, shared_prefix)
     peaks = measure_gemm_peaks(llm.config.dtype, llm.config.device)
@@ -439,6 +463,7 @@ def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json:
     if as_json:
         report = {"machine": machine, "gemm_peak_flops": peak, "gemm_peaks": peaks, "dtype": config.dtype,
                   "dtype_reason": config.dtype_reason, "results": [asdict(r) for r in results],
+                  "kernel_options": asdict(config.kernel_options) if config.kernel_options else None,
                   "rounds": [[asdict(r) for r in kind] for kind in runs],
                   "ratios": {other.name: ratios(runs[0], other_runs) if other.name != SAMPLED_NAME
                              else ratios(other_runs, runs[0])
@@ -447,6 +472,10 @@ def _print(results: list[BenchResult], peaks: dict, workload: Workload, as_json:
         return
     click.echo(describe(machine))
     click.echo(f"dtype: {config.dtype} ({config.dtype_reason})")
+    if config.kernel_options:
+        changed = {k: v for k, v in asdict(config.kernel_options).items()
+                   if v != getattr(type(config.kernel_options)(), k)}
+        click.echo(f"kernel options: {', '.join(f'{k}={v}' for k, v in changed.items()) or 'the defaults'}")
     click.echo(f"workload: {len(workload.prompts)} requests, {workload.prompt_tokens} prompt tokens, "
                f"{workload.output_tokens} output tokens (seed {workload.seed})")
     each = ", ".join(f"{name} {value / 1e9:.1f}" for name, value in peaks.items())

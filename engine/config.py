@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kernels.options import KernelOptions
+
 _DTYPES = ("float32", "float16", "bfloat16")
 _POLICIES = ("fcfs", "priority")
 
@@ -62,10 +64,17 @@ class EngineConfig:
     async_scheduling: bool = field(default=True, metadata=_flag(
         "Prepare the next step while the device runs this one (default on; same tokens either way)."))
     seed: int = 0  # seeds requests that give no seed of their own (jobs set it per row: --seed)
+    # the kernels' variants (kernels/options.py), set when the engine is built; None leaves the process's
+    # as they are. Not a flag: only the benchmarks and the tests choose another variant than the default
+    kernel_options: KernelOptions | None = None
     dtype_reason: str = field(default="", compare=False)  # set on construction: "given", or why "auto"
     # resolved to dtype (derived, so no flag and not compared)
 
     def __post_init__(self) -> None:
+        if isinstance(self.kernel_options, dict):  # a recorded config (asdict) read back
+            self.kernel_options = KernelOptions(**self.kernel_options)
+        if self.kernel_options is not None and not isinstance(self.kernel_options, KernelOptions):
+            raise ValueError(f"kernel_options must be KernelOptions or None, got {self.kernel_options!r}")
         if not (self.device == "cpu" or self.device == "cuda"
                 or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

@@ -479,6 +479,10 @@ def _available_ram() -> int:
 
 
 def _build_model(args: ModelArgs, weights: dict[str, torch.Tensor], config: EngineConfig) -> Transformer:
+    if config.kernel_options is not None:  # before the weights are packed: they pick the GEMM paths too
+        from kernels import ops
+
+        ops.configure(config.kernel_options)
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"--device {config.device}: CUDA is not available on this machine")

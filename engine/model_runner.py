@@ -54,9 +54,9 @@ def keep_freed_memory_mapped() -> bool:
     Every step allocates activations of the same few sizes (MBs each); by default glibc mmaps and
     unmaps each one, so every op on fresh memory first takes thousands of page faults. Raising the
     mmap and trim thresholds keeps those blocks in the heap for reuse, as tcmalloc/jemalloc would.
-    Process-wide; off with BATCHGEN_MALLOPT=0. Returns whether it applied.
+    Process-wide. Returns whether it applied.
     """
-    if os.environ.get("BATCHGEN_MALLOPT", "1") == "0" or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL("libc.so.6")

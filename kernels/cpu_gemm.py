@@ -8,54 +8,48 @@ AVX-512 kernels reach about 470 with packed weights. At a decode step's row coun
 panel kernel beats oneDNN in turn (bf16 64 x 576 x 960: ~360 against ~290 GF/s with the weights in
 cache, ~330 against ~210 streaming them from DRAM as a model's layers do; 1.1-1.9x at 1-8 rows,
 where oneDNN's ~15 us a call weighs most; level from 512 rows up; a bf16 decode step of 64
-sequences 74.6 against 88.6 ms); `python -m kernels.cpu_gemm` prints all three paths for the
-model's shapes. The panel kernel takes fp32 with AVX-512 and bf16 with AVX512-BF16, N a multiple
+sequences 74.6 against 88.6 ms); `batchgen bench gemm` prints all three paths for the model's
+shapes. The panel kernel takes fp32 with AVX-512 and bf16 with AVX512-BF16, N a multiple
 of 64 (bf16: K even); oneDNN the rest of fp32 and bf16 where it packs that dtype. On a CPU with AMX
 (Xeon Sapphire Rapids and later) bf16 panels run on its tiles where K is a multiple of 32 (2
 Xeon cores: 1.5 against oneDNN's 1.2 TF/s at 64 x 576 x 960, 2.1 against 2.0 at 128 x 576 x 3072,
 where vdpbf16ps gave ~0.2; 30 layers' projections streamed from DRAM at 64 rows 20.6 against 22.0
-ms); where this build cannot use them, bf16 stays with oneDNN, which can. `BATCHGEN_AMX=0` keeps
-the vdpbf16ps kernel.
+ms); where this build cannot use them, bf16 stays with oneDNN, which can. KernelOptions(amx=False)
+(kernels/options.py) keeps the vdpbf16ps kernel.
 
 At a prefill's row counts (4096 and more) a plain product goes through torch.mm on the panels
 unpacked for the call where that is faster on the CPU (`unpack_rows`: bf16 on AMX, fp32 on Intel;
-`BATCHGEN_PREFILL_GEMM=panels` keeps the panels). `argmax_panels` gives a greedy step its tokens
+`prefill_unpack=False` keeps the panels). `argmax_panels` gives a greedy step its tokens
 straight from the lm_head's panels, each thread folding the product of its own panels into its
 picks a chunk at a time (in its L2), so the (rows, vocab) logits are never written
-(`BATCHGEN_FUSED_ARGMAX=0` turns it off).
+(`fused_argmax=False` turns it off).
 
 Packing is in place: `pack_linears` swaps each `nn.Linear`'s weight for its packed tensor and frees
 the plain one, so no second copy stays in memory; `unpack_linears` turns them back. `linear` reads
-which form a weight is in. `BATCHGEN_GEMM=onednn` keeps oneDNN where the panels would apply (to
-compare), `BATCHGEN_ONEDNN=0` turns all packing off, and anything neither takes stays plain.
+which form a weight is in. `panel_gemm=False` keeps oneDNN where the panels would apply (to
+compare), `onednn=False` turns all packing off, and anything neither takes stays plain.
 """
 
 from __future__ import annotations
-
-import os
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_features, cpu_native
+from kernels import cpu_features, cpu_native, options
 
-ENV_SWITCH = "BATCHGEN_ONEDNN"
-GEMM_ENV = "BATCHGEN_GEMM"  # "onednn": oneDNN even where the panel kernel applies
 PANEL = 64  # output columns a panel (GEMM_NR in csrc/cpu_gemm.h)
 PACK_BATCH_HINT = 128  # oneDNN picks its blocking for this many rows; measured good from M=8 to 2048
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 EPI_SILU, EPI_F32_OUT = 1, 2  # the panel kernel's epilogues (GEMM_SILU, GEMM_F32_OUT in csrc/cpu_gemm.h)
 # A prefill's plain products (no SiLU, residual or fp32 logits) from this many rows go through torch.mm
 # on the panels unpacked for the call, where unpack_rows() says that is faster on this CPU.
-# BATCHGEN_PREFILL_GEMM=panels keeps the panels at every row count.
-PREFILL_GEMM_ENV = "BATCHGEN_PREFILL_GEMM"
+# KernelOptions(prefill_unpack=False) keeps the panels at every row count.
 UNPACK_ROWS = 4096
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return options.current().onednn
 
 
 def available() -> bool:
@@ -81,8 +75,8 @@ def packs_dtype(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool
 
 def panels_apply(weight: torch.Tensor) -> bool:
     """Whether the panel kernel takes this (N, K) weight: a library built with AVX-512 (fp32) or
-    AVX512-BF16 (bf16), N a multiple of PANEL, an even K in bf16, and no BATCHGEN_GEMM=onednn."""
-    if os.environ.get(GEMM_ENV, "").lower() == "onednn" or not cpu_native.enabled():
+    AVX512-BF16 (bf16), N a multiple of PANEL, an even K in bf16, and panel_gemm on (kernels/options.py)."""
+    if not options.current().panel_gemm or not cpu_native.enabled():
         return False
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[0] % PANEL or weight.shape[0] == 0:
         return False
@@ -94,7 +88,7 @@ def panels_apply(weight: torch.Tensor) -> bool:
         return False
     if weight.dtype == torch.bfloat16 and not amx_in_use() and "amx_bf16" in cpu_features.cpu_flags():
         # oneDNN runs AMX tiles (~2 TF/s on 2 cores) where this build's panels would not (~0.2)
-        return os.environ.get(cpu_native.AMX_ENV) == "0"  # vdpbf16ps asked for, to compare
+        return not options.current().amx  # vdpbf16ps asked for, to compare
     return True
 
 
@@ -191,7 +185,7 @@ def unpack_rows(dtype: torch.dtype) -> int | None:
     52.5 / 46.0; with the SiLU epilogue the panels won (bf16 16.2 / 18.9), so gate/up stays. oneDNN's
     AMX tiles run bf16's mm; MKL's AVX-512 code fp32's on Intel (on AMD it takes AVX2, slower than
     the panels). Unpacking costs 0.1-0.7 ms a weight, about what mm saves at 2048 rows."""
-    if os.environ.get(PREFILL_GEMM_ENV, "").lower() == "panels":
+    if not options.current().prefill_unpack:
         return None
     if dtype == torch.bfloat16:
         return UNPACK_ROWS if amx_in_use() else None
@@ -236,7 +230,6 @@ def linear_panels(x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor 
     return out
 
 
-FUSED_ARGMAX_ENV = "BATCHGEN_FUSED_ARGMAX"  # "0": greedy steps take the logits, then their argmax
 _argmax_scratch = torch.empty(0)  # argmax_panels' chunks of products, kept (a fresh one faults its pages in)
 
 
@@ -250,9 +243,9 @@ def argmax_panels(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor | None:
     """Each row's argmax of x (T, K) @ W.T, (T,) int64, W in panels (pack_panels), without the (T, N)
     product: each thread folds its chunks of argmax_chunk_cols columns into its picks while they are
     in its cache. The same picks as argmax(linear_f32(x, W)) (first maximum, first NaN). None where it
-    does not apply: not panels, a panel GEMM this CPU has no code for, or BATCHGEN_FUSED_ARGMAX=0."""
+    does not apply: not panels, a panel GEMM this CPU has no code for, or fused_argmax off."""
     global _argmax_scratch
-    if os.environ.get(FUSED_ARGMAX_ENV) == "0" or not is_panels(panels) or panels.dim() not in (3, 4):
+    if not options.current().fused_argmax or not is_panels(panels) or panels.dim() not in (3, 4):
         return None
     t, k = x.shape
     ksize = panels.shape[1] * (2 if panels.dim() == 4 else 1)
@@ -331,39 +324,3 @@ def packing_summary(module: nn.Module) -> str:
     bf16 = any(is_panels(m.weight) and m.weight.dtype == torch.bfloat16 for m in layers)
     tiles = "AMX tiles, " if bf16 and amx_in_use() else ""
     return f"panel GEMM {panels} ({tiles}SiLU fused into {fused}), oneDNN {onednn}, plain {plain}"
-
-
-PATHS = {  # the GEMM paths main() compares: how each packs a weight (None: it does not apply)
-    "F.linear": lambda w: w,
-    "oneDNN packed": pack_onednn,
-    "panels": lambda w: pack_panels(w) if panels_apply(w) else None,
-}
-
-
-def flops_per_s(m: int, k: int, n: int, path: str, seconds: float = 0.3,
-                dtype: torch.dtype = torch.float32) -> float:
-    """Measured FLOP/s of one (m, k) x (k, n) product on the CPU through one of PATHS (0 where it
-    does not apply)."""
-    x, w = torch.randn(m, k, dtype=dtype), PATHS[path](torch.randn(n, k, dtype=dtype))
-    if w is None:
-        return 0.0
-    linear(x, w)
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        linear(x, w)
-        reps += 1
-    return 2 * m * k * n * reps / (time.perf_counter() - t0)
-
-
-def main() -> None:
-    """Print GF/s of every path for SmolLM2-135M's decode and prefill shapes, fp32 and bf16."""
-    print(f"{'m x k x n':>18} {'dtype':>9}" + "".join(f" {name + ' GF/s':>18}" for name in PATHS))
-    for dtype in PACKED_DTYPES:
-        for m, k, n in [(8, 576, 960), (64, 576, 960), (128, 576, 3072), (128, 1536, 576),
-                        (128, 576, 49152), (2048, 576, 3072), (1024, 1024, 1024)]:
-            rates = (flops_per_s(m, k, n, path, dtype=dtype) / 1e9 for path in PATHS)
-            print(f"{f'{m}x{k}x{n}':>18} {str(dtype)[6:]:>9}" + "".join(f" {r:18.0f}" for r in rates))
-
-
-if __name__ == "__main__":
-    main()

@@ -10,7 +10,7 @@ rotary, SiLU-and-mul), each one pass instead of several torch ops and their temp
 store, the sampler's row-wise argmax and the projections' GEMM over weights packed in panels of 64
 columns (csrc/cpu_gemm.h; kernels/cpu_gemm.py packs them). Threads come from torch's own OpenMP pool.
 When no compiler is found or the build fails, `load()` returns None, says why once in the log and
-the torch path runs instead; `BATCHGEN_NATIVE=0` turns the native path off.
+the torch path runs instead; KernelOptions(native=False) (kernels/options.py) turns the native path off.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_features
+from kernels import cpu_features, options
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,6 @@ NATIVE_FLAGS = ["-march=native"]
 # tried in order: a compiler without OpenMP (clang with no libomp) still gets single-threaded
 # kernels, one that does not know -march=native (some clang targets) still gets portable ones
 FALLBACK_DROPS = [(), ("-fopenmp",), ("-fopenmp", "-march=native")]
-ENV_SWITCH = "BATCHGEN_NATIVE"
 BUILD_TIMEOUT_S = 300  # ~30 s is usual on 2 cores (the attention's specialisations, both dtypes)
 
 _lib: ctypes.CDLL | None = None
@@ -74,7 +73,7 @@ _opened: dict[str, ctypes.CDLL] = {}  # .so path -> its handle (a variant switch
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return options.current().native
 
 
 def _x86() -> bool:
@@ -216,7 +215,7 @@ def _open(cc: str) -> tuple[ctypes.CDLL, str]:
 
 def load() -> ctypes.CDLL | None:
     """The compiled library, building it on first use; None (once logged) when unavailable."""
-    global _lib, _tried, _why_not, _variant
+    global _lib, _tried, _why_not, _variant, _stream_default
     if _tried:
         return _lib
     _tried = True
@@ -252,12 +251,9 @@ def load() -> ctypes.CDLL | None:
             for name, (restype, argtypes) in signatures.items():
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes
-            if os.environ.get(AMX_ENV, "1") == "0":
-                lib.batchgen_amx(0)  # off from the start, not only once amx() is asked
-            stream = os.environ.get(ATTN_STREAM_ENV, "")
-            if stream in ("0", "1"):
-                lib.batchgen_attention_stream(int(stream))
+            _stream_default = lib.batchgen_attention_stream(-1)
             _lib, _variant = lib, chosen
+            apply_options()  # AMX off from the start, not only once amx() is asked
     if _lib is None:
         log.warning("native CPU kernels unavailable, using the torch path: %s", _why_not)
     return _lib
@@ -267,23 +263,32 @@ FEATURE_AVX512, FEATURE_AVX2, FEATURE_DP_BF16 = 1, 2, 4  # cpu_kernels_features(
 FEATURE_GEMM_F32, FEATURE_GEMM_BF16 = 8, 16  # ... and the dtypes its panel GEMM (csrc/cpu_gemm.h) takes
 
 
-AMX_ENV = "BATCHGEN_AMX"  # "0": the vector kernels even where AMX tiles would serve (to compare)
-ATTN_STREAM_ENV = "BATCHGEN_ATTN_STREAM"  # "0": decode attention without its L2 stream (to compare)
+_stream_default = 1  # the library's own choice of the L2 stream, read when it loads
+
+
+def apply_options() -> None:
+    """Hand the current KernelOptions' library-wide switches (amx, attn_stream) to a loaded library
+    (kernels.ops.configure calls it; load() once it has loaded)."""
+    if _lib is None:
+        return
+    opts = options.current()
+    _lib.batchgen_amx(1 if opts.amx else 0)
+    _lib.batchgen_attention_stream(_stream_default if opts.attn_stream is None else int(opts.attn_stream))
 
 
 def attention_stream() -> bool:
-    """Whether decode attention runs its own L2 prefetch stream (csrc/cpu_kernels.c): on, unless
-    BATCHGEN_ATTN_STREAM=0 (read when the library loads)."""
+    """Whether decode attention runs its own L2 prefetch stream (csrc/cpu_kernels.c): the library's
+    choice, unless KernelOptions.attn_stream says otherwise."""
     lib = load()
     return lib is not None and bool(lib.batchgen_attention_stream(-1))
 
 
 def amx() -> bool:
     """Whether the bf16 GEMM runs on AMX tiles: a library built with AMX (the compiler knows the
-    CPU's amx_bf16), Linux granting the tiles, and no BATCHGEN_AMX=0 (read on each call, which
-    switches the library to match)."""
+    CPU's amx_bf16), Linux granting the tiles, and KernelOptions.amx on (the library is switched to
+    match)."""
     lib = load()
-    return lib is not None and bool(lib.batchgen_amx(0 if os.environ.get(AMX_ENV, "1") == "0" else 1))
+    return lib is not None and bool(lib.batchgen_amx(1 if options.current().amx else 0))
 
 
 def features() -> int:

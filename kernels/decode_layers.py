@@ -7,21 +7,19 @@ order from C, into a reused workspace, so the results are bit-identical and the 
 layer goes (at 64 sequences, 4.7 of a 45.6 ms bf16 step on a 2-core Xeon, while the second core only
 waited). Anything else (prefill chunks, the torch or Triton backend, oneDNN or plain weights, a
 kernel that declines or fails) takes the per-op path, which raises that op's own error.
-`BATCHGEN_FUSED_DECODE=0` keeps every step on the per-op path (to compare, or to profile op by op).
+KernelOptions(fused_decode=False) keeps every step on the per-op path (to compare, or to profile op by op).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import weakref
 
 import torch
 
-from kernels import cpu_gemm, cpu_native
+from kernels import cpu_gemm, cpu_native, options
 
-ENV = "BATCHGEN_FUSED_DECODE"
 log = logging.getLogger(__name__)
 
 
@@ -46,7 +44,7 @@ ERRORS = {1: "gemm", 2: "rotary", 3: "store_kv_cache", 4: "paged_attention"}  # 
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    return options.current().fused_decode
 
 
 def _fn(dtype: torch.dtype):
@@ -153,17 +151,17 @@ class DecodeLayers:
         tensors = self._tensors(kv_caches)
         try:  # where each tensor is and its shape (a weight's form shows in it: plain, panels)
             key = [(t.data_ptr(), t.shape) for t in tensors] + [cpu_native.variant()]  # use() switched it
-        except RuntimeError:  # oneDNN's packed weights (BATCHGEN_GEMM=onednn) have no data pointer
+        except RuntimeError:  # oneDNN's packed weights (panel_gemm off) have no data pointer
             return None
         if key != self.key or x.dtype != self.dtype:
             self.key = key
             self.ok = self._build(tensors, [p for p, _ in key[:-1]], x.dtype)
             if self.ok:
-                log.info("CPU decode steps (%s): the %d layers in one native call (%s=0: op by op)",
-                         x.dtype, len(self.layers), ENV)
+                log.info("CPU decode steps (%s): the %d layers in one native call (fused_decode=off: op "
+                         "by op)", x.dtype, len(self.layers))
         if not self.ok or x.stride(1) != 1 or x.stride(0) != x.shape[1]:
             return None
-        from kernels import ops  # the backend is read per call (BATCHGEN_KERNELS, ops.set_backend)
+        from kernels import ops  # the backend is read per call (KernelOptions.backend, ops.set_backend)
 
         if ops.get_backend(x) != "cpu-native" or not cpu_native.enabled():
             return None

@@ -5,22 +5,24 @@ set before kernels are imported), `cpu-native` (the CPU's production path: the C
 kernels/csrc for fp32 and bf16 and oneDNN's packed GEMMs for fp32/bf16, wherever they apply) and `torch` (the
 references: the specification every other implementation is tested against, and what runs where
 nothing else applies). Each implementation lives in its kernel's file beside its reference; KERNELS
-below names them. `BATCHGEN_KERNELS=torch|triton|cpu-native` (read once, and again on
-`set_backend(None)`) or `set_backend(name)` forces one backend for every call; `auto` (or unset)
-picks Triton on CUDA and cpu-native on the CPU. `BATCHGEN_NATIVE=0` / `BATCHGEN_ONEDNN=0` switch the
-C kernels / the packed GEMMs off. Everything here reads host-side lengths from the `*_cpu` lists
-of AttentionMetadata, never from tensors.
+below names them. Which backend and variants run is the process's KernelOptions
+(kernels/options.py), set by `configure()` when an engine is built with them (EngineConfig's
+kernel_options) and never read from the environment: `backend` `torch|triton|cpu-native` forces one
+backend for every call (`set_backend(name)` changes only that), `auto` picks Triton on CUDA and
+cpu-native on the CPU; `native` / `onednn` off switch the C kernels / the packed GEMMs off.
+Everything here reads host-side lengths from the `*_cpu` lists of AttentionMetadata, never from
+tensors.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
 
-from kernels import cpu_gemm, cpu_native
+from kernels import cpu_gemm, cpu_native, options
 from kernels._triton import HAS_TRITON, interpreting
 from kernels.activation import (
     gelu_tanh_and_mul_ref,
@@ -55,8 +57,10 @@ from kernels.rotary import (
 __all__ = [
     "KERNELS",
     "AttentionMetadata",
+    "KernelOptions",
     "argmax",
     "build_attention_metadata",
+    "configure",
     "fused_add_rms_norm",
     "fused_moe",
     "gelu_tanh_and_mul",
@@ -76,10 +80,8 @@ __all__ = [
     "unpack_linears",
 ]
 
-BACKENDS = ("auto", "torch", "triton", "cpu-native")
-ENV_VAR = "BATCHGEN_KERNELS"
-_forced_backend: str | None = None  # set_backend() override; None defers to BATCHGEN_KERNELS
-_env_backend: str = os.environ.get(ENV_VAR) or "auto"  # read once: not on every kernel call
+BACKENDS = options.BACKENDS
+KernelOptions = options.KernelOptions
 
 
 def _prefill_torch(
@@ -194,30 +196,34 @@ KERNELS: dict[str, dict[str, Callable]] = {
 }
 
 
+def configure(kernel_options: KernelOptions) -> None:
+    """The kernel options every call follows from now on (an engine built with kernel_options sets
+    them; the process's engines share the kernels, so the last one built decides)."""
+    options.configure(kernel_options)
+    cpu_native.apply_options()  # the library-wide switches (AMX, the attention's L2 stream), if loaded
+
+
 def set_backend(name: str | None) -> None:
-    """Force one backend for every call (`auto` or None: back to BATCHGEN_KERNELS, read again)."""
-    global _forced_backend, _env_backend
+    """Force one backend for every call (`auto` or None: the device's own), the other options kept."""
     if name is not None and name not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS} or None, got {name!r}")
-    _forced_backend = None if name in (None, "auto") else name
-    _env_backend = os.environ.get(ENV_VAR) or "auto"
+    options.configure(replace(options.current(), backend=name or "auto"))
 
 
 def get_backend(x: torch.Tensor) -> str:
     """The backend family for a call on tensor x: 'torch', 'triton' or 'cpu-native' (which falls
     back to torch per call where its kernels do not apply; see _pick)."""
-    name = _forced_backend or _env_backend
+    name = options.current().backend
     if name == "auto":
         return "triton" if x.is_cuda and HAS_TRITON else "torch" if x.is_cuda else "cpu-native"
     if name in ("torch", "cpu-native"):
         return name
-    if name != "triton":
-        raise ValueError(f"BATCHGEN_KERNELS must be one of {BACKENDS}, got {name!r}")
     if not HAS_TRITON:
-        raise RuntimeError("BATCHGEN_KERNELS=triton but `triton` is not importable; install batchgen[triton]")
+        raise RuntimeError("the triton kernel backend was asked for but `triton` is not importable; install "
+                           "batchgen[triton]")
     if not x.is_cuda and not interpreting():
         raise RuntimeError(
-            "BATCHGEN_KERNELS=triton on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+            "the triton kernel backend on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
             "before kernels is imported"
         )
     return name

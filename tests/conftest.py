@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import settings
 
 # The Triton interpreter runs kernels on CPU tensors. Triton reads this flag when a @triton.jit
@@ -23,3 +24,21 @@ if os.environ.get("CI"):
 # dtype "auto" on the CPU follows the CPU's features (bf16 where native): pinned to fp32 here so the
 # suite's results do not depend on the machine that runs it
 os.environ.setdefault("BATCHGEN_CPU_DTYPE", "float32")
+
+
+@pytest.fixture
+def kernel_options():
+    """Kernel variants for one test: kernel_options(amx=False, ...) changes the process's KernelOptions
+    (kernels/options.py) through kernels.ops.configure; they come back as they were after the test."""
+    from dataclasses import replace
+
+    from kernels import ops, options
+
+    before = options.current()
+
+    def use(**changes):
+        ops.configure(replace(options.current(), **changes))
+        return options.current()
+
+    yield use
+    ops.configure(before)

@@ -90,6 +90,7 @@ def test_sweep_records_rows_in_the_sweeps_view(tmp_path):
         "--itl-slo-ms", "1000", "--data-dir", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "knee (max_num_seqs)" in result.output and "knee (max_num_batched_tokens)" in result.output
+    assert "machine: " in result.output and " CPUs; flags: " in result.output
     rows = connect(tmp_path).execute(
         "SELECT swept, max_num_seqs, max_num_batched_tokens, repeat, output_tokens_per_s, mean_running "
         "FROM sweeps ORDER BY swept, max_num_seqs, max_num_batched_tokens, repeat").fetchall()

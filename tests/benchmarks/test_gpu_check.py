@@ -139,7 +139,7 @@ def test_a_tuned_table_is_named_for_the_sections_after_tuning_only(tmp_path, mon
 
     monkeypatch.setattr(gpu_check, "_run_one", run_one)
     env = gpu_check.section_env_vars(torch.device("cpu"))
-    assert env["TRITON_INTERPRET"] == "1" and env["BATCHGEN_KERNELS"] == "triton"
+    assert env["TRITON_INTERPRET"] == "1"
     sections = [Section(n, "x:y", 60) for n in ("kernels", "tuning", "engine toy")]
     gpu_check.run_sections(sections, _ctx(tmp_path), tmp_path, 400, env)
     assert seen == [("kernels", None), ("tuning", None), ("engine toy", str(table))]
@@ -276,7 +276,7 @@ def test_dry_run_goes_through_every_section_with_only_the_gpu_image_packages(tmp
     guard_dir = tmp_path / "guard"
     guard_dir.mkdir()
     (guard_dir / "sitecustomize.py").write_text(GUARD.format(root=str(ROOT), allowed=GPU_IMAGE_PACKAGES))
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "BATCHGEN_KERNELS")}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(guard_dir), str(ROOT)])
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick", "--out", str(out)]

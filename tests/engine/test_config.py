@@ -42,9 +42,10 @@ def test_the_engine_flags_are_derived_from_engine_config():
     def parse(**opts):
         return engine_config(opts)
 
-    # every field is a flag but the per-request seed default (jobs take --seed per row) and
-    # dtype_reason, which construction derives
-    assert set(ENGINE_FIELDS) == {f.name for f in fields(EngineConfig)} - {"seed", "dtype_reason"}
+    # every field is a flag but the per-request seed default (jobs take --seed per row), dtype_reason,
+    # which construction derives, and the kernel variants, which only benchmarks and tests choose
+    assert set(ENGINE_FIELDS) == {f.name for f in fields(EngineConfig)} - {"seed", "dtype_reason",
+                                                                            "kernel_options"}
     assert {p.name for p in parse.params} == set(ENGINE_FIELDS)
     flags = ["--max-num-seqs", "5", "--kv-cache-memory", "2.5", "--enforce-eager", "--dtype", "bfloat16",
              "--gpu-memory-utilization", "0.7", "--no-enable-chunked-prefill",
@@ -81,3 +82,17 @@ def test_cpu_auto_dtype_follows_native_bf16(monkeypatch):
     monkeypatch.setenv(cpu_features.PIN_ENV, "fp8")
     with pytest.raises(ValueError, match="BATCHGEN_CPU_DTYPE must be float32 or bfloat16, got 'fp8'"):
         EngineConfig()
+
+
+def test_kernel_options_survive_a_recorded_config_and_bad_ones_are_refused():
+    from dataclasses import asdict
+
+    from kernels.options import KernelOptions
+
+    config = EngineConfig(kernel_options=KernelOptions(fused_decode=False, amx=False))
+    assert EngineConfig(**asdict(config)) == config  # a job's manifest records asdict(config)
+    assert EngineConfig(**asdict(EngineConfig())).kernel_options is None
+    with pytest.raises(ValueError, match="kernel_options must be KernelOptions or None"):
+        EngineConfig(kernel_options="fused_decode=off")
+    with pytest.raises(TypeError):
+        EngineConfig(kernel_options={"fused_decod": False})

@@ -133,10 +133,11 @@ def test_request_timing_is_ordered(ckpt):
         assert m.ttft_s >= m.queue_s >= 0 and m.tpot_s >= 0
 
 
-def test_greedy_steps_take_their_tokens_from_the_head_without_logits(monkeypatch, cpu_variant):
+def test_greedy_steps_take_their_tokens_from_the_head_without_logits(kernel_options, monkeypatch,
+                                                                     cpu_variant):
     """Where the lm_head is in panels (vocab a multiple of 64) and every sequence of a step is greedy
     without logprobs, penalties or grammar, the runner takes the picks from the head's fused argmax
-    (cpu_gemm.argmax_panels): the same tokens as transformers and as BATCHGEN_FUSED_ARGMAX=0. A step
+    (cpu_gemm.argmax_panels): the same tokens as transformers and as with fused_argmax off. A step
     with a sampled or a logprobs request among them reads the logits as before."""
     from kernels import cpu_gemm
 
@@ -154,9 +155,9 @@ def test_greedy_steps_take_their_tokens_from_the_head_without_logits(monkeypatch
     ran = sum(s.num_scheduled_seqs > 0 for s in llm.iteration_stats)  # async: the last step applies only
     assert len(calls) == ran and sum(calls) == 6 * 8
     assert fused == [hf_greedy_ids(ckpt.hf_model, p, 8) for p in prompts]
-    monkeypatch.setenv(cpu_gemm.FUSED_ARGMAX_ENV, "0")
+    kernel_options(fused_argmax=False)
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == fused
-    monkeypatch.delenv(cpu_gemm.FUSED_ARGMAX_ENV)
+    kernel_options(fused_argmax=True)
     calls.clear()
     mixed = [greedy] * 5 + [SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)]
     outs = llm.generate(prompts, mixed)

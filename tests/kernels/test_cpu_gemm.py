@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.throughput import measure_gemm_peaks
 from engine.model import PRESETS, Transformer
 from kernels import cpu_gemm, cpu_native, ops
 
@@ -34,14 +33,14 @@ def _skip_without_panels(dtype):
 @pytest.mark.parametrize("form", ["panels", "onednn"])
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("rows", [1, 7, 128, 300])
-def test_packed_linear_matches_f_linear(rows, dtype, form, monkeypatch, cpu_variant):
+def test_packed_linear_matches_f_linear(rows, dtype, form, kernel_options, cpu_variant):
     if form == "onednn" and cpu_variant != cpu_native.choose():
         pytest.skip("oneDNN's packed linear is the same whichever variant of the library runs")
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 576, generator=gen), torch.randn(960, 576, generator=gen)
     x, w = x.to(dtype), w.to(dtype)
     if form == "onednn":
-        monkeypatch.setenv(cpu_gemm.GEMM_ENV, "onednn")
+        kernel_options(panel_gemm=False)
     else:
         _skip_without_panels(dtype)
     packed = cpu_gemm.pack(w)
@@ -227,8 +226,8 @@ def test_panel_kernel_rejects_what_does_not_fit():
 BOTH = cpu_native.FEATURE_GEMM_F32 | cpu_native.FEATURE_GEMM_BF16
 
 
-def test_panels_take_only_what_the_kernel_has_code_for(monkeypatch):
-    """N not a multiple of 64, an odd K in bf16, fp16, or BATCHGEN_GEMM=onednn: oneDNN (or plain)."""
+def test_panels_take_only_what_the_kernel_has_code_for(kernel_options, monkeypatch):
+    """N not a multiple of 64, an odd K in bf16, fp16, or panel_gemm off: oneDNN (or plain)."""
     monkeypatch.setattr(cpu_native, "features", lambda: BOTH)
     monkeypatch.setattr(cpu_gemm.cpu_features, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
     assert cpu_gemm.panels_apply(torch.randn(128, 48))
@@ -243,22 +242,22 @@ def test_panels_take_only_what_the_kernel_has_code_for(monkeypatch):
     monkeypatch.setattr(cpu_native, "features", lambda: cpu_native.FEATURE_AVX512)  # no GEMM code at all
     assert not cpu_gemm.panels_apply(torch.randn(128, 48))
     monkeypatch.setattr(cpu_native, "features", lambda: BOTH)
-    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "onednn")
+    kernel_options(panel_gemm=False)
     assert not cpu_gemm.panels_apply(torch.randn(128, 48))
 
 
-def test_bf16_on_an_amx_cpu_takes_panels_only_where_they_run_on_amx(monkeypatch):
+def test_bf16_on_an_amx_cpu_takes_panels_only_where_they_run_on_amx(kernel_options, monkeypatch):
     """oneDNN runs AMX tiles itself: where this build's panel kernel cannot (no AMX code, Linux
-    refused the tiles), bf16 stays with oneDNN unless BATCHGEN_AMX=0 asks for vdpbf16ps."""
+    refused the tiles), bf16 stays with oneDNN unless KernelOptions(amx=False) asks for vdpbf16ps."""
     w = torch.randn(128, 64).bfloat16()
     monkeypatch.setattr(cpu_native, "features", lambda: BOTH)
     monkeypatch.setattr(cpu_gemm.cpu_features, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
     monkeypatch.setattr(cpu_gemm, "amx_in_use", lambda: False)
     assert not cpu_gemm.panels_apply(w)
     assert cpu_gemm.panels_apply(w.float())  # AMX has no fp32: the panels' FMA kernel keeps it
-    monkeypatch.setenv(cpu_native.AMX_ENV, "0")
+    kernel_options(amx=False)
     assert cpu_gemm.panels_apply(w)
-    monkeypatch.delenv(cpu_native.AMX_ENV)
+    kernel_options(amx=True)
     monkeypatch.setattr(cpu_gemm, "amx_in_use", lambda: True)
     assert cpu_gemm.panels_apply(w)
 
@@ -271,17 +270,17 @@ def _skip_without_amx():
 
 
 @pytest.fixture
-def vdpbf16ps(monkeypatch):
-    """A function that runs its argument with the AMX tiles switched off (BATCHGEN_AMX=0)."""
+def vdpbf16ps(kernel_options):
+    """A function that runs its argument with the AMX tiles switched off (amx=False)."""
     before = cpu_gemm.amx_in_use()
 
     def run(fn):
-        monkeypatch.setenv(cpu_native.AMX_ENV, "0")
+        kernel_options(amx=False)
         try:
             assert not cpu_gemm.amx_in_use()
             return fn()
         finally:
-            monkeypatch.delenv(cpu_native.AMX_ENV)
+            kernel_options(amx=True)
             assert cpu_gemm.amx_in_use() == before
     yield run
     cpu_gemm.amx_in_use()
@@ -346,14 +345,14 @@ def test_a_prefill_sized_product_runs_as_mm_on_the_unpacked_weight(dtype, monkey
 
 @pytest.mark.parametrize("dtype,tiles", [(torch.float32, "vector"), (torch.bfloat16, "vector"),
                                          (torch.bfloat16, "amx")])
-def test_argmax_panels_picks_what_argmax_of_the_logits_picks(dtype, tiles, vdpbf16ps, monkeypatch,
+def test_argmax_panels_picks_what_argmax_of_the_logits_picks(dtype, tiles, vdpbf16ps, kernel_options,
                                                              cpu_variant):
     """argmax_panels: each thread folds its run of panels a chunk at a time, then the threads' picks
     are folded in column order. The same picks as argmax over the whole logits, to the index, on 1, 2
     and 3 threads, for rows of every tile height and strided rows of x: with the largest logit tied
     in a later chunk of the same thread and in the last thread's run (the first wins), and with NaN
     columns in two threads' runs after the largest value (the first NaN wins, as torch.argmax
-    answers); None under BATCHGEN_FUSED_ARGMAX=0."""
+    answers); None with fused_argmax off."""
     _skip_without_panels(dtype)
     if tiles == "amx":
         _skip_without_amx()
@@ -388,15 +387,15 @@ def test_argmax_panels_picks_what_argmax_of_the_logits_picks(dtype, tiles, vdpbf
     panels = cpu_gemm.pack_panels(w.to(dtype))
     for got, want in (vdpbf16ps(picks) if tiles == "vector" else picks()):
         assert torch.equal(got, want) and (got == 100 * cpu_gemm.PANEL + 3).all()
-    monkeypatch.setenv(cpu_gemm.FUSED_ARGMAX_ENV, "0")
+    kernel_options(fused_argmax=False)
     assert cpu_gemm.argmax_panels(wide[:, 16:16 + k], panels) is None
 
 
-def test_unpack_rows_follows_the_cpu_and_the_switch(monkeypatch):
+def test_unpack_rows_follows_the_cpu_and_the_switch(kernel_options, monkeypatch):
     """bf16 goes to mm where the panels run on AMX (oneDNN's tiles beat them at prefill sizes); fp32
     on Intel CPUs (MKL's AVX-512 code), never on AMD ones (MKL takes AVX2 there); never with
-    BATCHGEN_PREFILL_GEMM=panels, nor for another dtype."""
-    monkeypatch.delenv(cpu_gemm.PREFILL_GEMM_ENV, raising=False)
+    prefill_unpack off, nor for another dtype."""
+    kernel_options(prefill_unpack=True)
     for amx, vendor, bf16, fp32 in [(True, "GenuineIntel", cpu_gemm.UNPACK_ROWS, cpu_gemm.UNPACK_ROWS),
                                     (False, "GenuineIntel", None, cpu_gemm.UNPACK_ROWS),
                                     (False, "AuthenticAMD", None, None)]:
@@ -404,7 +403,7 @@ def test_unpack_rows_follows_the_cpu_and_the_switch(monkeypatch):
         monkeypatch.setattr(cpu_gemm.cpu_features, "cpu_vendor", lambda vendor=vendor: vendor)
         assert (cpu_gemm.unpack_rows(torch.bfloat16), cpu_gemm.unpack_rows(torch.float32)) == (bf16, fp32)
         assert cpu_gemm.unpack_rows(torch.float16) is None
-    monkeypatch.setenv(cpu_gemm.PREFILL_GEMM_ENV, "panels")
+    kernel_options(prefill_unpack=False)
     monkeypatch.setattr(cpu_gemm, "amx_in_use", lambda: True)
     monkeypatch.setattr(cpu_gemm.cpu_features, "cpu_vendor", lambda: "GenuineIntel")
     assert cpu_gemm.unpack_rows(torch.bfloat16) is None and cpu_gemm.unpack_rows(torch.float32) is None
@@ -453,19 +452,17 @@ def test_logits_of_every_weight_form_are_float32():
             torch.testing.assert_close(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2)
 
 
-def test_batchgen_amx_0_keeps_the_tiles_off_from_the_library_load(tmp_path):
-    """With BATCHGEN_AMX=0 the library starts switched off: a GEMM called before anything asks
+def test_amx_off_keeps_the_tiles_off_from_the_library_load(tmp_path):
+    """With amx=False the library starts switched off: a GEMM called before anything asks
     cpu_native.amx() (no packing) runs vdpbf16ps too."""
     _skip_without_amx()
-    import os
     import subprocess
     import sys
 
-    probe = "from kernels import cpu_native; print(cpu_native.load().batchgen_amx(-1))"
-    env = {**os.environ, cpu_native.AMX_ENV: "0"}
-    off = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    env.pop(cpu_native.AMX_ENV)
-    on = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    probe = ("from kernels import cpu_native, ops; from kernels.options import KernelOptions; "
+             "ops.configure(KernelOptions(amx={})); print(cpu_native.load().batchgen_amx(-1))")
+    off, on = (subprocess.run([sys.executable, "-c", probe.format(amx)], capture_output=True, text=True,
+                              check=True) for amx in (False, True))
     assert (off.stdout.strip(), on.stdout.strip()) == ("0", "1")
 
 
@@ -480,7 +477,7 @@ def test_amx_keeps_nan_and_inf_in_their_rows():
     torch.testing.assert_close(got[rest], F.linear(x, w)[rest], atol=2e-2, rtol=2e-2)
 
 
-def test_packing_is_off_where_it_does_not_apply(monkeypatch):
+def test_packing_is_off_where_it_does_not_apply(kernel_options):
     w = torch.randn(8, 16)
     assert cpu_gemm.pack(w.half()) is None  # fp32 and bf16 only
     no_bf16_pack = frozenset({"avx", "avx2", "fma", "avx512f"})  # AVX-512 F alone is not enough
@@ -488,7 +485,7 @@ def test_packing_is_off_where_it_does_not_apply(monkeypatch):
     assert cpu_gemm.packs_dtype(torch.float32, no_bf16_pack)
     assert cpu_gemm.packs_dtype(torch.bfloat16, no_bf16_pack | {"avx512bw", "avx512vl", "avx512dq"})
     assert cpu_gemm.packs_dtype(torch.bfloat16, no_bf16_pack | {"avx_ne_convert"})
-    monkeypatch.setenv(cpu_gemm.ENV_SWITCH, "0")
+    kernel_options(onednn=False)
     assert cpu_gemm.pack(w) is None
     x = torch.randn(3, 16)
     assert torch.equal(cpu_gemm.linear(x, w), F.linear(x, w))
@@ -542,13 +539,6 @@ def test_packing_is_in_place_no_second_copy():
     assert projections and all(cpu_gemm.is_packed(p) for p in projections)
 
 
-def test_gemm_peak_counts_the_paths_the_engine_runs():
-    peaks = measure_gemm_peaks("float32", "cpu", seconds=0.2)
-    panels = cpu_native.features() & cpu_native.FEATURE_GEMM_F32
-    want = {"torch.mm", "onednn-packed"} | ({"panels"} if panels else set())
-    assert set(peaks) == want and min(peaks.values()) > 0
-
-
 def test_loading_new_weights_repacks():
     from tests.engine.tiny import tiny_hf_checkpoint
 
@@ -568,20 +558,3 @@ def _args(config):
     from engine.families import read_model_args
 
     return read_model_args(config)
-
-
-def test_the_gemm_comparison_script_measures_every_path(capsys, monkeypatch):
-    rates = {"F.linear": 1e9, "oneDNN packed": 2e9, "panels": 3e9}
-    monkeypatch.setattr(cpu_gemm, "flops_per_s", lambda m, k, n, path, seconds=0.3, dtype=None: rates[path])
-    cpu_gemm.main()
-    lines = capsys.readouterr().out.splitlines()
-    assert "oneDNN packed GF/s" in lines[0] and "panels GF/s" in lines[0]
-    assert lines[2].split() == ["64x576x960", "float32", "1", "2", "3"]
-    assert ["64x576x960", "bfloat16", "1", "2", "3"] in [line.split() for line in lines]
-
-
-@pytest.mark.parametrize("path", list(cpu_gemm.PATHS))
-def test_each_compared_path_measures_or_says_it_does_not_apply(path):
-    rate = cpu_gemm.flops_per_s(8, 16, 64, path, seconds=0.01)
-    applies = path == "F.linear" or cpu_gemm.PATHS[path](torch.randn(64, 16)) is not None
-    assert (rate > 0) == applies

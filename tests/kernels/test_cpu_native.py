@@ -76,7 +76,7 @@ def test_any_thread_count_gives_the_same_answer(num_threads):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_attention_gives_the_same_answer_with_and_without_its_l2_stream(dtype, cpu_variant):
-    """The stream only prefetches: switching it (BATCHGEN_ATTN_STREAM) leaves every output bit as it was."""
+    """The stream only prefetches: switching it (attn_stream) leaves every output bit as it was."""
     lens = [5, 300, 1, 64, 65, 129, 2, 40]
     inputs = make_paged_inputs([1] * len(lens), lens, 9, 3, 64, 16, dtype=dtype, garbage=float("nan"))
     meta = inputs.meta
@@ -95,21 +95,24 @@ def test_decode_attention_gives_the_same_answer_with_and_without_its_l2_stream(d
     assert all(torch.equal(outs[0], o) for o in outs[1:]) and not outs[0].isnan().any()
 
 
-def test_the_l2_stream_is_on_unless_the_env_says():
-    import os
+def test_the_l2_stream_is_on_unless_the_options_say(kernel_options):
     import subprocess
     import sys
 
-    probe = "from kernels import cpu_native; print(int(cpu_native.attention_stream()))"
+    def run(stream):  # a fresh process: the options given before the library loads, then changed
+        probe = ("from kernels import cpu_native, ops; from kernels.options import KernelOptions; "
+                 f"ops.configure(KernelOptions(attn_stream={stream})); "
+                 "a = int(cpu_native.attention_stream()); "
+                 "ops.configure(KernelOptions()); print(a, int(cpu_native.attention_stream()))")
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              check=True).stdout.split()
 
-    def run(**env):
-        full = {k: v for k, v in os.environ.items() if k != cpu_native.ATTN_STREAM_ENV} | env
-        return subprocess.run([sys.executable, "-c", probe], env=full, capture_output=True, text=True,
-                              check=True).stdout.strip()
-
-    assert run() == "1"
-    assert run(**{cpu_native.ATTN_STREAM_ENV: "0"}) == "0"
-    assert run(**{cpu_native.ATTN_STREAM_ENV: "1"}) == "1"
+    assert run(None) == ["1", "1"]
+    assert run(False) == ["0", "1"]
+    assert run(True) == ["1", "1"]
+    assert not kernel_options(attn_stream=False).attn_stream and not cpu_native.attention_stream()
+    kernel_options(attn_stream=None)
+    assert cpu_native.attention_stream()  # the library's own choice again
 
 
 def test_strided_queries_from_the_fused_projection():
@@ -127,14 +130,14 @@ def test_strided_queries_from_the_fused_projection():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_mixed_step_uses_native_decodes_and_matches_the_pure_torch_path(monkeypatch):
+def test_mixed_step_uses_native_decodes_and_matches_the_pure_torch_path(kernel_options):
     query_lens, context_lens = [1, 1, 1, 16, 5], [300, 17, 1, 16, 100]
     inputs = make_paged_inputs(query_lens, context_lens, 9, 3, 64, 16)
     ops.set_backend("cpu-native")
     try:
         native = ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
         assert inputs.meta.torch_decode_plan is None  # the native kernel needs no gather plan
-        monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")  # cpu-native falls back to torch, call by call
+        kernel_options(native=False)  # cpu-native falls back to torch, call by call
         plain = ops.paged_attention(inputs.q, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.scale)
         assert inputs.meta.torch_decode_plan is not None
     finally:
@@ -287,7 +290,7 @@ def test_elementwise_kernels_in_bf16_round_once_as_the_references_do(cpu_variant
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_ops_send_cpu_work_to_the_native_kernels(monkeypatch, dtype):
+def test_ops_send_cpu_work_to_the_native_kernels(kernel_options, monkeypatch, dtype):
     def refuse(*args, **kwargs):
         raise AssertionError("the torch reference ran although the native kernel applies")
 
@@ -307,7 +310,7 @@ def test_ops_send_cpu_work_to_the_native_kernels(monkeypatch, dtype):
     mixed = make_paged_inputs([1, 4, 3], [5, 4, 40], 9, 3, 64, 16, dtype=dtype)  # a decode, then prefills
     ops.paged_attention(mixed.q, mixed.k_cache, mixed.v_cache, mixed.meta, mixed.scale)
     ops.argmax(torch.randn(4, 100))  # logits are fp32 in either model dtype
-    monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
+    kernel_options(native=False)
     with pytest.raises(AssertionError, match="torch reference ran"):
         ops.silu_and_mul(torch.randn(4, 32))
 
@@ -526,10 +529,10 @@ def test_tiled_prefill_gives_the_same_answer_on_any_thread_count_and_strided_que
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (16, 2, 64)])
 def test_prefill_chunks_of_16_queries_on_amx_tiles_match_the_vector_kernel(num_q_heads, num_kv_heads,
-                                                                         head_dim, monkeypatch):
+                                                                         head_dim, kernel_options):
     """On an AMX CPU a sequence's chunk of 16 or more queries (head dim 32 or 64) runs on tiles, the
     shorter ones and decodes beside it on vector code: both within bf16 rounding of the reference and
-    of the vector kernel alone (BATCHGEN_AMX=0), which differs from it (the tiles ran), and never
+    of the vector kernel alone (amx=False), which differs from it (the tiles ran), and never
     reading outside a context (nan there)."""
     from kernels import cpu_gemm
 
@@ -539,12 +542,12 @@ def test_prefill_chunks_of_16_queries_on_amx_tiles_match_the_vector_kernel(num_q
     inputs = make_paged_inputs(query_lens, context_lens, num_q_heads, num_kv_heads, head_dim, 16,
                                dtype=torch.bfloat16, garbage=float("nan"))
     tiles = _tiled_prefill(inputs)
-    monkeypatch.setenv(cpu_native.AMX_ENV, "0")
+    kernel_options(amx=False)
     try:
         assert not cpu_gemm.amx_in_use()
         vector = _tiled_prefill(inputs)
     finally:
-        monkeypatch.delenv(cpu_native.AMX_ENV)
+        kernel_options(amx=True)
         assert cpu_gemm.amx_in_use()
     ref = paged_prefill_attention_ref(inputs.q.float(), inputs.k_cache.float(), inputs.v_cache.float(),
                                       inputs.meta.block_tables, query_lens, context_lens, inputs.scale)

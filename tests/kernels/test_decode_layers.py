@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.model import PRESETS, Transformer
-from kernels import cpu_gemm, cpu_native, decode_layers, ops
+from kernels import cpu_gemm, cpu_native, decode_layers, ops, options
 from kernels.metadata import build_attention_metadata
 
 PANEL_NEEDS = {torch.float32: cpu_native.FEATURE_GEMM_F32, torch.bfloat16: cpu_native.FEATURE_GEMM_BF16}
@@ -51,11 +51,9 @@ def _decode_step(model, context_lens, seed=2):
     return ids, positions, meta
 
 
-def _per_op(model, ids, positions, caches, meta, monkeypatch):
-    with monkeypatch.context() as m:
-        m.setenv(decode_layers.ENV, "0")
-        with torch.inference_mode():
-            return model(ids, positions, caches, meta)
+def _per_op(model, ids, positions, caches, meta):
+    with options.override(fused_decode=False), torch.inference_mode():
+        return model(ids, positions, caches, meta)
 
 
 CONTEXTS = [[1], [1, 17, 33, 5, 60, 16, 32], [100, 2, 64]]
@@ -63,7 +61,7 @@ CONTEXTS = [[1], [1, 17, 33, 5, 60, 16, 32], [100, 2, 64]]
 
 @pytest.mark.parametrize("context_lens", CONTEXTS, ids=lambda c: f"{len(c)}seqs")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_decode_is_bit_identical_to_the_per_op_path(dtype, context_lens, monkeypatch, cpu_variant):
+def test_fused_decode_is_bit_identical_to_the_per_op_path(dtype, context_lens, cpu_variant):
     model = _model(dtype)
     ids, positions, meta = _decode_step(model, context_lens)
     fused_caches, op_caches = _caches(model, dtype), _caches(model, dtype)
@@ -73,12 +71,11 @@ def test_fused_decode_is_bit_identical_to_the_per_op_path(dtype, context_lens, m
         assert got is not None and model.decode_layers.last_error == 0  # the fused path ran
         hidden = model(ids, positions, fused_caches, meta)
     residual = None
-    with monkeypatch.context() as m, torch.inference_mode():
-        m.setenv(decode_layers.ENV, "0")
+    with options.override(fused_decode=False), torch.inference_mode():
         for layer, kv in zip(model.layers, op_caches, strict=True):
             x, residual = layer(x, residual, positions, model.cos_sin, kv, meta)
     assert torch.equal(got[0], x) and torch.equal(got[1], residual)
-    assert torch.equal(hidden, _per_op(model, ids, positions, _caches(model, dtype), meta, monkeypatch))
+    assert torch.equal(hidden, _per_op(model, ids, positions, _caches(model, dtype), meta))
     for (kf, vf), (ko, vo) in zip(fused_caches, op_caches, strict=True):
         assert torch.equal(kf, ko) and torch.equal(vf, vo)  # the same keys and values stored
 
@@ -94,18 +91,16 @@ def _fused_fp32_step(context_lens=(5, 9)):
     return model, caches, x, positions, meta
 
 
-def test_steps_it_does_not_take_go_op_by_op(monkeypatch):
+def test_steps_it_does_not_take_go_op_by_op():
     model, caches, x, positions, meta = _fused_fp32_step()
     with torch.inference_mode():
         # a prefill chunk in the step
         mixed = build_attention_metadata([1, 3], [5, 9], [[0], [1]], BLOCK)
         x3 = model.embed_tokens(torch.tensor([1, 2, 3, 4]))
         assert model.decode_layers.run(x3, torch.tensor([4, 6, 7, 8]), caches, mixed) is None
-        with monkeypatch.context() as m:  # switched off
-            m.setenv(decode_layers.ENV, "0")
+        with options.override(fused_decode=False):  # switched off
             assert model.decode_layers.run(x, positions, caches, meta) is None
-        with monkeypatch.context() as m:  # the native kernels off
-            m.setenv(cpu_native.ENV_SWITCH, "0")
+        with options.override(native=False):  # the native kernels off
             assert model.decode_layers.run(x, positions, caches, meta) is None
         ops.set_backend("torch")
         try:
@@ -117,7 +112,7 @@ def test_steps_it_does_not_take_go_op_by_op(monkeypatch):
         assert model.decode_layers.run(x, positions, caches, meta) is not None  # rebuilt for fp32 again
 
 
-def test_weights_not_in_panels_go_op_by_op(monkeypatch):
+def test_weights_not_in_panels_go_op_by_op(kernel_options):
     model = _model(torch.float32)
     caches = _caches(model, torch.float32)
     ids, positions, meta = _decode_step(model, [5, 9])
@@ -125,13 +120,13 @@ def test_weights_not_in_panels_go_op_by_op(monkeypatch):
     with torch.inference_mode():
         assert model.decode_layers.run(model.embed_tokens(ids), positions, caches, meta) is None
         assert not model.decode_layers.ok
-    monkeypatch.setenv("BATCHGEN_GEMM", "onednn")  # oneDNN's packing instead of panels
+    kernel_options(panel_gemm=False)  # oneDNN's packing instead of panels
     assert model.pack_weights() and not cpu_gemm.is_panels(model.layers[0].mlp.down_proj.weight)
     with torch.inference_mode():
         assert model.decode_layers.run(model.embed_tokens(ids), positions, caches, meta) is None
 
 
-def test_new_weights_are_picked_up(monkeypatch):
+def test_new_weights_are_picked_up():
     """Repacked weights move: the fused path follows them instead of reading the old ones."""
     model = _model(torch.float32)
     ids, positions, meta = _decode_step(model, [7, 20])
@@ -144,7 +139,7 @@ def test_new_weights_are_picked_up(monkeypatch):
         assert model.pack_weights()
         got = model(ids, positions, _caches(model, torch.float32), meta)
     assert model.decode_layers.ok
-    assert torch.equal(got, _per_op(model, ids, positions, _caches(model, torch.float32), meta, monkeypatch))
+    assert torch.equal(got, _per_op(model, ids, positions, _caches(model, torch.float32), meta))
 
 
 def test_a_failing_kernel_hands_the_step_to_the_per_op_path_and_its_error(caplog):
@@ -184,5 +179,5 @@ def test_the_log_says_once_that_decode_steps_take_one_call(caplog):
         for _ in range(3):
             model(ids, positions, caches, meta)
     said = [r.getMessage() for r in caplog.records if r.name == "kernels.decode_layers"]
-    assert said == [f"CPU decode steps ({dtype}): the 2 layers in one native call (BATCHGEN_FUSED_DECODE=0: "
-                    "op by op)"]
+    assert said == [f"CPU decode steps ({dtype}): the 2 layers in one native call (fused_decode=off: op by "
+                    "op)"]

@@ -3,30 +3,28 @@
 import pytest
 import torch
 
-from kernels import ops
+from kernels import cpu_native, ops, options
+from kernels.options import KernelOptions
 from kernels.testing import make_paged_inputs
 from tests.kernels.cases import ATTENTION_BATCHES, assert_close, require_triton
 
 
 @pytest.fixture(autouse=True)
-def no_forced_backend(monkeypatch):
-    monkeypatch.delenv("BATCHGEN_KERNELS", raising=False)
-    ops.set_backend(None)
+def default_options():
+    before = options.current()
+    ops.configure(KernelOptions())
     yield
-    ops.set_backend(None)
+    ops.configure(before)
 
 
-def test_cpu_tensors_use_cpu_native_unless_forced(monkeypatch):
+def test_cpu_tensors_use_cpu_native_unless_forced():
     x = torch.zeros(1)
     assert ops.get_backend(x) == "cpu-native"
     for name, want in (("auto", "cpu-native"), ("torch", "torch"), ("cpu-native", "cpu-native")):
-        monkeypatch.setenv("BATCHGEN_KERNELS", name)
-        ops.set_backend(None)  # the environment is read once, and again here
+        ops.configure(KernelOptions(backend=name))
         assert ops.get_backend(x) == want
-    monkeypatch.setenv("BATCHGEN_KERNELS", "cuda")
-    ops.set_backend(None)
-    with pytest.raises(ValueError, match="BATCHGEN_KERNELS must be one of"):
-        ops.get_backend(x)
+        ops.set_backend(None)
+        assert ops.get_backend(x) == "cpu-native"
 
 
 def test_every_op_has_every_backend_and_cpu_native_falls_back_per_call():
@@ -38,37 +36,71 @@ def test_every_op_has_every_backend_and_cpu_native_falls_back_per_call():
     assert ops._pick("rms_norm", x, w, fits=False) is ops.KERNELS["rms_norm"]["torch"]
 
 
-def test_the_environment_is_read_once_not_per_call(monkeypatch):
-    require_triton()
-    monkeypatch.setenv("BATCHGEN_KERNELS", "triton")
+def test_the_environment_is_not_read(monkeypatch):
+    """The old switches (BATCHGEN_KERNELS and the variant switches) do nothing now: the options object
+    is the one way in."""
+    from kernels import cpu_gemm, decode_layers
+
+    old = {"BATCHGEN_KERNELS": "torch", "BATCHGEN_NATIVE": "0", "BATCHGEN_ONEDNN": "0",
+           "BATCHGEN_GEMM": "onednn", "BATCHGEN_PREFILL_GEMM": "panels", "BATCHGEN_FUSED_ARGMAX": "0",
+           "BATCHGEN_FUSED_DECODE": "0", "BATCHGEN_AMX": "0", "BATCHGEN_ATTN_STREAM": "0"}
+    for name, value in old.items():
+        monkeypatch.setenv(name, value)
     ops.set_backend(None)
-    monkeypatch.setenv("BATCHGEN_KERNELS", "torch")
-    assert ops.get_backend(torch.zeros(1)) == "triton"
+    assert ops.get_backend(torch.zeros(1)) == "cpu-native" and options.current() == KernelOptions()
+    assert cpu_native.enabled() and cpu_gemm.enabled() and decode_layers.enabled()
+    ops.configure(KernelOptions(native=False, onednn=False, fused_decode=False))
+    assert not (cpu_native.enabled() or cpu_gemm.enabled() or decode_layers.enabled())
 
 
-def test_set_backend_wins_over_the_environment(monkeypatch):
+def test_set_backend_changes_only_the_backend():
     require_triton()
-    monkeypatch.setenv("BATCHGEN_KERNELS", "torch")
-    ops.set_backend(None)
+    ops.configure(KernelOptions(backend="torch", fused_decode=False))
     ops.set_backend("triton")
     assert ops.get_backend(torch.zeros(1)) == "triton"
-    ops.set_backend("auto")  # back to the environment's
-    assert ops.get_backend(torch.zeros(1)) == "torch"
+    assert options.current() == KernelOptions(backend="triton", fused_decode=False)
 
 
-def test_bad_backend_names_are_refused(monkeypatch):
+def test_an_engine_config_with_kernel_options_sets_them_when_it_is_built():
+    from engine.llm import LLM
+
+    LLM(model="tiny-random", num_kv_blocks=16, block_size=4, kernel_options=KernelOptions(backend="torch"))
+    assert options.current() == KernelOptions(backend="torch")
+    LLM(model="tiny-random", num_kv_blocks=16, block_size=4)  # None: the process's options stay
+    assert options.current() == KernelOptions(backend="torch")
+
+
+def test_bad_backend_names_and_options_are_refused():
     with pytest.raises(ValueError, match="kernel backend must be one of"):
         ops.set_backend("cuda")
-    monkeypatch.setenv("BATCHGEN_KERNELS", "trition")
-    ops.set_backend(None)
-    with pytest.raises(ValueError, match="BATCHGEN_KERNELS must be one of.*'trition'"):
-        ops.rms_norm(torch.ones(1, 4), torch.ones(4), 1e-6)
+    with pytest.raises(ValueError, match="kernel backend must be one of.*'trition'"):
+        KernelOptions(backend="trition")
+    with pytest.raises(ValueError, match="fused_decode must be true or false"):
+        KernelOptions(fused_decode="0")
+    with pytest.raises(TypeError, match="expected KernelOptions"):
+        ops.configure({"backend": "torch"})
+
+
+def test_options_parse_a_benchmarks_arguments():
+    assert KernelOptions.parse(["fused-decode=off", "amx=0", "backend=torch", "attn_stream=on"]) == \
+        KernelOptions(backend="torch", fused_decode=False, amx=False, attn_stream=True)
+    base = KernelOptions(attn_stream=False)
+    assert KernelOptions.parse(["attn_stream=auto"], base) == KernelOptions()
+    for bad, says in (("fused_decode", "NAME=VALUE"), ("nope=1", "NAME=VALUE"), ("amx=maybe", "on or off"),
+                      ("backend=cuda", "kernel backend must be one of")):
+        with pytest.raises(ValueError, match=says):
+            KernelOptions.parse([bad])
+
+
+def test_override_restores_the_options_it_changed():
+    with options.override(fused_argmax=False) as inside:
+        assert options.current() is inside and not inside.fused_argmax
+    assert options.current() == KernelOptions()
 
 
 def test_triton_on_cpu_without_the_interpreter_says_how_to_fix_it(monkeypatch):
     require_triton()
-    monkeypatch.setenv("BATCHGEN_KERNELS", "triton")
-    ops.set_backend(None)
+    ops.set_backend("triton")
     monkeypatch.setattr(ops, "interpreting", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         ops.silu_and_mul(torch.ones(1, 4))

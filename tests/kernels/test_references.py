@@ -16,7 +16,7 @@ SPREAD_DECODES = ([1, 1, 1, 1, 1, 4], [300, 40, 1, 200, 35, 20])
 
 @pytest.fixture(autouse=True, params=["cpu-native", "torch"])
 def torch_backend(request):
-    """These tests are about the CPU path, whatever BATCHGEN_KERNELS says: once through the
+    """These tests are about the CPU path, whatever the kernel options say: once through the
     cpu-native backend (C kernels for fp32, torch where they do not apply), once pure torch."""
     ops.set_backend(request.param)
     yield

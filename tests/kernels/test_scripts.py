@@ -13,7 +13,7 @@ require_triton()
 
 
 def _run(args: list[str], interpret: bool) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "BATCHGEN_KERNELS")}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     return subprocess.run([sys.executable, "-m", *args], env=env, capture_output=True, text=True, timeout=300)
