@@ -170,7 +170,6 @@ class Sampler:
 
 def sample_rows(logits: torch.Tensor, rows: _Rows, sampled: np.ndarray, staging: Staging) -> torch.Tensor:
     """Draw one token per row of logits (R, V), the rows `sampled` of the step."""
-    vocab = logits.shape[1]
     temp = staging.put("temperature", rows.temperature[sampled], torch.float32)
     logits = logits / temp.unsqueeze(1)
     min_p = rows.min_p[sampled]
@@ -180,12 +179,27 @@ def sample_rows(logits: torch.Tensor, rows: _Rows, sampled: np.ndarray, staging:
         floor = logits.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)
         logits = logits.masked_fill(logits < floor, float("-inf"))
     top_k, top_p = rows.top_k[sampled], rows.top_p[sampled]
-    u = staging.put("uniforms", rows.u[sampled], torch.float64)
     filtered = (top_k > 0) | (top_p < 1.0)
     if not filtered.any():
-        return _inverse_cdf(logits, u)
-    # rows cut by top-k or top-p draw from their candidates in descending order: top-k rows from
-    # the k_max largest (a partial sort), the others from a full sort
+        return _inverse_cdf(logits, staging.put("uniforms", rows.u[sampled], torch.float64))
+    if filtered.all():
+        return _draw_filtered(logits, top_k, top_p, staging.put("uniforms", rows.u[sampled], torch.float64),
+                              staging)
+    # rows without top-k / top-p draw in vocabulary order, as they would in a batch without filtered
+    # rows: a row's token never depends on what else shares its step
+    cut = np.flatnonzero(filtered)
+    u = staging.put("uniforms", np.concatenate([rows.u[sampled], rows.u[sampled][cut]]), torch.float64)
+    tokens = _inverse_cdf(logits, u[: len(sampled)])
+    index = staging.put("filtered_rows", cut, torch.int64)
+    drawn = _draw_filtered(logits.index_select(0, index), top_k[cut], top_p[cut], u[len(sampled):], staging)
+    return tokens.index_copy(0, index, drawn)
+
+
+def _draw_filtered(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray, u: torch.Tensor,
+                   staging: Staging) -> torch.Tensor:
+    """Rows cut by top-k or top-p draw from their candidates in descending order: top-k rows from
+    the k_max largest (a partial sort), the others from a full sort."""
+    vocab = logits.shape[1]
     k_max = int(top_k.max()) if (top_k > 0).all() else vocab
     values, order = (logits.topk(min(k_max, vocab), dim=-1) if k_max < vocab
                      else logits.sort(dim=-1, descending=True))
