@@ -48,7 +48,7 @@ def bare_engine(engine: LLMEngine, prompts: list[str], max_tokens: int) -> tuple
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finish_reason != "length":
-                raise RuntimeError(f"bare engine: request {out.request_id} ended {out.finish_reason}: {out.error}")
+                raise RuntimeError(f"bare engine: {out.request_id} ended {out.finish_reason}: {out.error}")
             tokens += len(out.token_ids)
     return tokens, time.perf_counter() - t0
 
@@ -57,14 +57,16 @@ def job_run(prompts: list[str], max_tokens: int, flags: list[str]) -> tuple[int,
     """(output tokens, output tok/s over the generation time, the summary) of a whole `batchgen run`."""
     with tempfile.TemporaryDirectory(prefix="job-path-") as tmp:
         path = Path(tmp) / "prompts.jsonl"
-        path.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+        path.write_text("".join(json.dumps({"id": f"r{i}", "prompt": p}) + "\n"
+                                for i, p in enumerate(prompts)))
         cmd = [sys.executable, "-m", "jobs.cli", "run", str(path), "--data-dir", str(Path(tmp) / "data"),
                "--max-tokens", str(max_tokens), "--temperature", "0", "--ignore-eos",
                "--apply-chat-template", "never", "--no-progress", *flags]
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     found = SUMMARY_TOKENS.search(done.stdout + done.stderr)
     if done.returncode != 0 or found is None:
-        raise RuntimeError(f"batchgen run failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"batchgen run failed ({done.returncode}):\n{done.stdout[-2000:]}\n"
+                           f"{done.stderr[-3000:]}")
     summary = "\n".join(line for line in (done.stdout + done.stderr).splitlines()
                         if line.startswith(("job ", "rows:", "tokens:")))
     return int(found.group(1)), float(found.group(2)), summary
