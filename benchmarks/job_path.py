@@ -6,7 +6,9 @@ runs the bare engine in this process (LLMEngine, requests added at once, stepped
 tokens over the time from the first add to the last output) and then a whole `batchgen run` of the
 same rows in a fresh data directory (output tokens over the job's generation time, first shard
 started to last shard finished, as its summary prints them). Reported: both rates and their ratio
-per round. Numbers, not pass/fail; rounds alternate, so compare within one run.
+per round. The bare engine is stepped from a thread of its own, as a worker's engine loop is
+(--bare-on-main-thread: from the main thread). Numbers, not pass/fail; rounds alternate, so
+compare within one run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,8 +43,18 @@ def held_out(n: int) -> list[str]:
     return prompts[:n]
 
 
-def bare_engine(engine: LLMEngine, prompts: list[str], max_tokens: int) -> tuple[int, float]:
-    """(output tokens, seconds) of the workload on an engine already loaded."""
+def bare_engine(engine: LLMEngine, prompts: list[str], max_tokens: int, on_thread: bool = True
+                ) -> tuple[int, float]:
+    """(output tokens, seconds) of the workload on an engine already loaded, stepped on a thread of
+    its own as a worker's engine loop is (`on_thread`), else on this main thread. On the 2-core
+    EPYC of docs/benchmarks.md the same engine ran 2x slower stepped from the main thread."""
+    if on_thread:
+        result = []
+        thread = threading.Thread(
+            target=lambda: result.append(bare_engine(engine, prompts, max_tokens, False)))
+        thread.start()
+        thread.join()
+        return result[0]
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -79,7 +92,9 @@ def job_run(prompts: list[str], max_tokens: int, flags: list[str]) -> tuple[int,
 @click.option("--num-requests", type=int, default=64, show_default=True)
 @click.option("--max-tokens", type=int, default=64, show_default=True)
 @click.option("--rounds", type=int, default=2, show_default=True, help="alternated rounds of each path")
-def main(num_requests: int, max_tokens: int, rounds: int, **opts) -> None:
+@click.option("--bare-on-main-thread", is_flag=True,
+              help="step the bare engine from the main thread (default: a thread, as a worker does)")
+def main(num_requests: int, max_tokens: int, rounds: int, bare_on_main_thread: bool, **opts) -> None:
     config = engine_config(opts)
     flags = []
     for name, value in opts.items():
@@ -101,7 +116,7 @@ def main(num_requests: int, max_tokens: int, rounds: int, **opts) -> None:
         order = ("bare", "job") if r % 2 == 0 else ("job", "bare")  # alternated: the machine's load drifts
         for path in order:
             if path == "bare":
-                tokens, seconds = bare_engine(engine, prompts, max_tokens)
+                tokens, seconds = bare_engine(engine, prompts, max_tokens, not bare_on_main_thread)
                 bare_rate = tokens / seconds
             else:
                 job_tokens, job_rate, summary = job_run(prompts, max_tokens, flags)
