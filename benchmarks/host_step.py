@@ -39,12 +39,18 @@ def small_llama(vocab: int, seed: int = 0) -> SimpleNamespace:
     return SimpleNamespace(config=config, weights=weights, tokenizer=None, args=args)
 
 
-def no_op_forward(engine: LLMEngine) -> None:
-    """The model's forward returns a zero hidden state of the right shape: no device work."""
-    model = engine.runner.model
-    zeros = torch.zeros((engine.config.max_num_batched_tokens, model.args.dim), dtype=engine.runner.dtype,
-                        device=engine.runner.device)
+def no_op_forward(engine: LLMEngine, seed: int = 0) -> None:
+    """The model's forward returns a zero hidden state of the right shape, and its head fixed
+    random logits (the GPU path: logits, then the sampler's ops; no fused CPU argmax): no device
+    work but the sampler's ops over a small vocabulary."""
+    model, runner = engine.runner.model, engine.runner
+    zeros = torch.zeros((engine.config.max_num_batched_tokens, model.args.dim), dtype=runner.dtype,
+                        device=runner.device)
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn((engine.config.max_num_seqs, model.args.vocab_size), generator=gen).to(runner.device)
     model.forward = lambda input_ids, positions, kv_caches, meta: zeros[: input_ids.shape[0]]
+    model.compute_logits = lambda hidden: logits[: hidden.shape[0]]
+    model.greedy_tokens = lambda hidden: None
 
 
 def decode_steps(num_seqs: int, temperature: float, steps: int, warmup: int, vocab: int,

@@ -202,6 +202,7 @@ class WorkerSummary:
     model: str | None  # the model it serves (its record), else that job's model
     engine_config: dict  # the engine config it serves (its record; {} when it wrote none)
     engine_error: str | None  # why its engine failed (it handed its shards back and stopped), else None
+    device: str | None  # where its engine runs (cpu, cuda:N), from its record
 
     def as_json(self) -> dict:
         return asdict(self)
@@ -240,6 +241,7 @@ def _worker(worker_id: str, row: dict | None, record: WorkerRecord | None, runni
         model=(record.model if record and record.model else latest.get("model")),
         engine_config=record.engine_config if record else {},
         engine_error=(record.engine_error or None) if record else None,
+        device=(record.device or record.engine_config.get("device")) if record else None,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable
@@ -32,6 +33,10 @@ from engine.stats import IterationStats
 from engine.structured_output import StructuredOutputs
 
 StatLogger = Callable[[IterationStats], None]
+_IS_DECODE = operator.attrgetter("is_decode")
+_SEQ = operator.attrgetter("seq")
+_JOB_ID = operator.attrgetter("job_id")
+_NEEDS_HOST_TOKENS = operator.attrgetter("needs_host_tokens")
 log = logging.getLogger(__name__)
 
 CPU_FREE_RAM_SHARE = 0.25  # KV cache on CPU without --kv-cache-memory: this share of MemAvailable
@@ -67,6 +72,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}  # unfinished, by request id
         self._detoks: dict[int, object] = {}  # seq_index -> incremental detokenizer (stop strings only)
         self._ids = itertools.count()
+        self._num_constrained = 0  # unfinished requests with a grammar
         self._in_flight: _InFlight | None = None  # a launched step whose tokens are not applied yet
         self.fault: EngineFault | None = None  # set when a step failed the engine: no step runs after it
 
@@ -139,6 +145,7 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None and not params.ignore_eos else ()
         seq.stop_token_ids = frozenset(eos) | frozenset(params.stop_token_ids)
         self._seqs[request_id] = seq
+        self._num_constrained += params.constraint is not None
         if params.stop and self.tokenizer is not None:
             self._detoks[seq.seq_index] = self.tokenizer.detokenizer(token_ids)
         self.scheduler.add(seq)
@@ -269,8 +276,9 @@ class LLMEngine:
     def _advance(self, step: _InFlight) -> None:
         """A launched step's computed tokens count; each sampled sequence gets its placeholder."""
         self.scheduler.on_step_done(SchedulerOutput(scheduled=step.scheduled))
+        finished = SequenceStatus.FINISHED
         for row, seq in enumerate(step.sample_seqs):
-            if seq.status is not SequenceStatus.FINISHED:
+            if seq.status is not finished:
                 seq.token_ids.append(PLACEHOLDER)
                 seq.pending_row = row
 
@@ -281,18 +289,21 @@ class LLMEngine:
         finished."""
         if step is None:
             return 0
-        live = [s for s in step.scheduled if s.seq.status is not SequenceStatus.FINISHED]
         try:
             tokens, logprobs = self.sampler.collect(step.sampled, self.runner.staging.fetch_wait(step.fetch))
         except Exception as exc:  # noqa: BLE001 - as a failed step: the device's fault, or these requests'
             self._check_device_fault(exc, len(step.scheduled))
-            return self._fail(live, exc)
-        now, num_finished = time.time(), 0
+            return self._fail([s for s in step.scheduled if s.seq.status is not SequenceStatus.FINISHED], exc)
+        now, num_finished, finished = time.time(), 0, SequenceStatus.FINISHED
         for seq, token, lp in zip(step.sample_seqs, tokens, logprobs, strict=True):
-            if seq.status is SequenceStatus.FINISHED:
+            if seq.status is finished:
                 continue
             seq.token_ids[-1] = token
             seq.pending_row = None
+            # the common case, decided on counters: no stop, no grammar, no stop strings, no logprobs
+            if seq.plain and lp is None and token not in seq.stop_token_ids \
+                    and len(seq.token_ids) < seq.max_num_tokens and seq.stats.first_token_ts:
+                continue
             try:
                 num_finished += self._append_token(seq, token, lp, now)
             except Exception as exc:  # noqa: BLE001 - e.g. a stop-string check on odd bytes
@@ -397,7 +408,8 @@ class LLMEngine:
             seq.token_ids.pop()
             seq.pending_row = None
         seq.stats.finished_ts = time.time()
-        self._seqs.pop(seq.request_id, None)
+        if self._seqs.pop(seq.request_id, None) is not None:
+            self._num_constrained -= seq.params.constraint is not None
         self.runner.release(seq)
         self.sampler.release(seq)
         self.structured.release(seq)
@@ -429,20 +441,22 @@ class LLMEngine:
         if not self.stat_loggers:
             self.iteration += 1
             return
-        decode = [s for s in sched.scheduled if s.is_decode]
-        decode_tokens = len(decode)
+        scheduled = sched.scheduled
+        decode_tokens = sum(map(_IS_DECODE, scheduled))
+        scheduled_tokens = sched.num_scheduled_tokens
         stats = IterationStats(
             iteration=self.iteration, ts=ts, duration_s=duration,
             num_running=occupancy[0], num_waiting=occupancy[1],
-            num_scheduled_seqs=len(sched.scheduled), num_prefill_seqs=len(sched.scheduled) - len(decode),
-            num_decode_seqs=len(decode), prefill_tokens=sched.num_scheduled_tokens - decode_tokens,
-            decode_tokens=decode_tokens, scheduled_tokens=sched.num_scheduled_tokens,
+            num_scheduled_seqs=len(scheduled), num_prefill_seqs=len(scheduled) - decode_tokens,
+            num_decode_seqs=decode_tokens, prefill_tokens=scheduled_tokens - decode_tokens,
+            decode_tokens=decode_tokens, scheduled_tokens=scheduled_tokens,
             token_budget=self.config.max_num_batched_tokens, max_num_seqs=self.config.max_num_seqs,
             kv_blocks_used=self.block_manager.num_used_blocks, kv_blocks_total=self.block_manager.num_blocks,
             num_preempted=len(sched.preempted), num_finished=num_finished,
             prefix_cache_hit_tokens=sched.prefix_cache_hit_tokens,
-            job_ids=sorted({s.seq.job_id for s in sched.scheduled if s.seq.job_id is not None}),
-            num_constrained_seqs=sum(s.seq.params.constraint is not None for s in sched.scheduled),
+            job_ids=sorted(set(map(_JOB_ID, map(_SEQ, scheduled))) - {None}),
+            num_constrained_seqs=(sum(s.seq.params.constraint is not None for s in scheduled)
+                                  if self._num_constrained else 0),
             mask_fill_s=self.structured.mask_fill_s,
         )
         self.iteration += 1
@@ -463,7 +477,7 @@ class _InFlight:
     def needs_host_tokens(self) -> bool:
         """Whether the next step can only be built from this one's tokens on the host: penalties
         count the output tokens, a grammar's mask follows the tokens accepted."""
-        return any(s.params.has_penalties or s.params.constraint is not None for s in self.sample_seqs)
+        return any(map(_NEEDS_HOST_TOKENS, self.sample_seqs))
 
 
 def _available_ram() -> int:

@@ -20,6 +20,7 @@ import ctypes
 import logging
 import math
 import mmap
+import operator
 import os
 import sys
 import time
@@ -223,9 +224,10 @@ class ModelRunner:
         self.block_tables = torch.zeros((max_num_seqs + 1, self.max_blocks_per_seq), dtype=torch.int32,
                                         device=self.device)
         self._pad_row = max_num_seqs
+        self._arange = np.arange(max_num_seqs + 2, dtype=np.int64)
+        self._arange_list = self._arange.tolist()
         self._row_of: dict[int, int] = {}  # seq_index -> its block-table row
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self._uploaded: dict[int, int] = {}  # seq_index -> blocks of its table already on the device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_populator: KVPopulator | None = None  # CPU: the KV pages made resident ahead of use
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -355,8 +357,8 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         """Give back a finished or preempted sequence's block-table row."""
         row = self._row_of.pop(seq.seq_index, None)
+        seq.table_row = seq.uploaded_blocks = -1
         if row is not None:
-            self._uploaded.pop(seq.seq_index, None)
             self._free_rows.append(row)
 
     # -- one step
@@ -367,22 +369,33 @@ class ModelRunner:
 
         `feed`: the tokens (S',) of the step before, still on the device (asynchronous scheduling):
         a sequence whose latest token is a placeholder (`pending_row` set) takes it from there."""
-        ordered = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: q_len 1 first
-        self._update_block_tables([s.seq for s in ordered])
-        num_tokens = sum(s.num_new_tokens for s in ordered)
-        if self.buckets and len(ordered) <= self.buckets[-1] and all(map(_samples_one_token, ordered)):
+        scheduled = sched.scheduled
+        decodes_only = all(map(_IS_DECODE, scheduled))  # the common step: no sort, no sums
+        ordered = scheduled if decodes_only else sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        self._update_block_tables([s.seq for s in ordered])  # stable sort above: q_len 1 first
+        if self.buckets and len(ordered) <= self.buckets[-1] and (
+                decodes_only or all(map(_samples_one_token, ordered))):
             return self._execute_decode(ordered, feed)
-        return self._execute_eager(ordered, num_tokens, feed)
+        return self._execute_eager(ordered, sum(s.num_new_tokens for s in ordered), feed)
 
     def _feed(self, input_ids: torch.Tensor, ordered, feed: torch.Tensor | None) -> None:
         """Input ids still being sampled by the step before (placeholders on the host) are copied in
         from its tokens on the device. Only decode rows (first in `ordered`, one token each) can
         have one: a placeholder is always its sequence's latest token."""
-        pairs = [(i, s.seq.pending_row) for i, s in enumerate(ordered) if s.seq.pending_row is not None]
+        rows = list(map(_PENDING_ROW, map(_SEQ, ordered)))
+        if feed is None:
+            if rows.count(None) != len(rows):
+                raise RuntimeError("a placeholder token without the step that samples it")
+            return
+        n = len(rows)
+        if n <= len(feed) and rows == self._arange_list[:n]:  # a decode run: the same rows as the step before
+            input_ids[:n].copy_(feed[:n])
+            return
+        pairs = [(i, row) for i, row in enumerate(rows) if row is not None]
         if not pairs:
             return
-        if feed is None or any(ordered[i].num_new_tokens != 1 for i, _ in pairs):
-            raise RuntimeError("a placeholder token outside a decode row, or without the step sampling it")
+        if ordered[pairs[-1][0]].num_new_tokens != 1:  # decode rows come first
+            raise RuntimeError("a placeholder token outside a decode row")
         index = self.staging.put("feed", pairs, torch.int64).view(-1, 2)
         input_ids.index_copy_(0, index[:, 0], feed.index_select(0, index[:, 1]))
 
@@ -433,7 +446,7 @@ class ModelRunner:
         """The sampled rows' logits (S, V) float32; or, where every one of `seqs` takes its argmax and
         nothing else (engine.sampler.greedy_only), their token ids (S,) int64 from the model's head directly
         (Transformer.greedy_tokens: the logits are never written), which the sampler passes through."""
-        if greedy_only([s.params for s in seqs]):
+        if greedy_only(seqs):
             tokens = self.model.greedy_tokens(hidden)
             if tokens is not None:
                 return tokens
@@ -451,8 +464,10 @@ class ModelRunner:
         """Write the step's token ids, positions, slots, lengths and rows into the host buffer.
         Decodes (first in `ordered`) go in as whole lists; prefill chunks one numpy slice each."""
         bs = self.block_size
-        nd = next((i for i, s in enumerate(ordered) if s.num_new_tokens != 1), len(ordered))
         seqs = [s.seq for s in ordered]
+        if not sample_rows and all(map(_IS_DECODE, ordered)):
+            return self._fill_decodes(buf, slices, seqs)
+        nd = next((i for i, s in enumerate(ordered) if s.num_new_tokens != 1), len(ordered))
         starts = [seq.num_computed_tokens for seq in seqs]
         query_lens = [s.num_new_tokens for s in ordered]
         context_lens = [a + n for a, n in zip(starts, query_lens, strict=True)]
@@ -473,12 +488,30 @@ class ModelRunner:
         qsl = buf[slices["query_start_loc"]]
         qsl[0] = 0
         np.cumsum(query_lens, out=qsl[1: len(ordered) + 1])
-        buf[slices["rows"]][: len(ordered)] = [self._row_of[seq.seq_index] for seq in seqs]
+        buf[slices["rows"]][: len(ordered)] = [seq.table_row for seq in seqs]
         if sample_rows:  # the last token of each piece that catches its sequence up
             ends = qsl[1: len(ordered) + 1].tolist()
             buf[slices["sample"]] = [e - 1 for e, seq, c in zip(ends, seqs, context_lens, strict=True)
                                      if c == seq.num_tokens]
         return query_lens, context_lens
+
+    def _fill_decodes(self, buf: np.ndarray, slices: dict[str, slice], seqs: list[Sequence]
+                      ) -> tuple[list[int], list[int]]:
+        """_fill for a step of decodes only (each sequence's latest token, at position computed)."""
+        bs, n = self.block_size, len(seqs)
+        starts = [seq.num_computed_tokens for seq in seqs]
+        buf[slices["input_ids"]][:n] = [seq.token_ids[-1] for seq in seqs]
+        pos = buf[slices["positions"]][:n]
+        pos[:] = starts
+        slots = buf[slices["slots"]][:n]
+        slots[:] = [seq.block_table[a // bs] for seq, a in zip(seqs, starts, strict=True)]
+        slots *= bs
+        slots += pos % bs
+        ctx = buf[slices["context_lens"]][:n]
+        np.add(pos, 1, out=ctx)
+        buf[slices["query_start_loc"]][: n + 1] = self._arange[: n + 1]
+        buf[slices["rows"]][:n] = [seq.table_row for seq in seqs]
+        return [1] * n, ctx.tolist()
 
     def _pad(self, buf: np.ndarray, slices: dict[str, slice], start: int, size: int) -> None:
         """Padding sequences start..size-1 of a decode bucket: one token at position 0 that stores
@@ -514,24 +547,31 @@ class ModelRunner:
         return meta, views
 
     def _update_block_tables(self, seqs: list[Sequence]) -> None:
-        """Give new sequences a row, and upload the block ids each sequence gained since last time."""
+        """Give new sequences a row, and upload the block ids each sequence gained since last time
+        (a sequence's count of uploaded blocks says whether it did: one comparison each)."""
+        changed = [seq for seq in seqs if len(seq.block_table) != seq.uploaded_blocks]
+        if not changed:
+            return
         rows, cols, blocks = [], [], []
-        for seq in seqs:
-            row = self._row_of.get(seq.seq_index)
-            if row is None:
-                row = self._row_of[seq.seq_index] = self._free_rows.pop()
-                self._uploaded[seq.seq_index] = 0
-            done, table = self._uploaded[seq.seq_index], seq.block_table
-            if len(table) > done:
-                rows += [row] * (len(table) - done)
-                cols += range(done, len(table))
-                blocks += table[done:]
-                self._uploaded[seq.seq_index] = len(table)
+        for seq in changed:
+            if seq.uploaded_blocks < 0:
+                seq.table_row = self._row_of[seq.seq_index] = self._free_rows.pop()
+                seq.uploaded_blocks = 0
+            done, table = seq.uploaded_blocks, seq.block_table
+            rows += [seq.table_row] * (len(table) - done)
+            cols += range(done, len(table))
+            blocks += table[done:]
+            seq.uploaded_blocks = len(table)
         if rows:
             if self.kv_populator is not None:
                 self.kv_populator.ensure(max(blocks))
             update = self.staging.put("block_table_updates", [rows, cols, blocks], torch.int64).view(3, -1)
             self.block_tables[update[0], update[1]] = update[2].to(torch.int32)
+
+
+_IS_DECODE = operator.attrgetter("is_decode")
+_SEQ = operator.attrgetter("seq")
+_PENDING_ROW = operator.attrgetter("pending_row")
 
 
 def _catches_up(s) -> bool:

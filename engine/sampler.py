@@ -16,12 +16,13 @@ top-k, top-p. Logprobs are the model's own distribution (raw logits, before any 
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from engine.staging import Staging
 from engine.structured_output import StructuredOutputs
@@ -30,11 +31,14 @@ from kernels import ops
 _MASK64 = (1 << 64) - 1
 
 
-def greedy_only(params: list[SamplingParams]) -> bool:
+def greedy_only(seqs: list[Sequence]) -> bool:
     """Whether every row's token is its logits' argmax and nothing else is read from them: greedy,
-    no logprobs, penalties or grammar."""
-    return all(p.greedy and p.logprobs is None and not p.has_penalties and p.constraint is None
-               for p in params)
+    no logprobs, penalties or grammar (Sequence.greedy_only)."""
+    return all(map(_GREEDY_ONLY, seqs))
+
+
+_GREEDY_ONLY = operator.attrgetter("greedy_only")
+_NEEDS_HOST_TOKENS = operator.attrgetter("needs_host_tokens")
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
@@ -84,6 +88,9 @@ class Sampler:
         self.staging = staging
         self.structured = structured  # grammars and matchers of constrained rows (the engine's)
         self._seeds: dict[int, int] = {}  # seq_index -> its seed (uint64)
+        self._batch: list[Sequence] = []  # the sequences of the latest step that sampled, and ...
+        self._static: _Rows | None = None  # ... their parameters (u holds their seeds)
+        self._prompt_lens = np.zeros(0, dtype=np.int64)
 
     def release(self, seq: Sequence) -> None:
         self._seeds.pop(seq.seq_index, None)
@@ -111,16 +118,16 @@ class Sampler:
         """The step's tokens on the device, and what to fetch for them: every op is queued, nothing
         is read back (the engine fetches `fetched` once and hands it to collect())."""
         staging = staging or self.staging or Staging(logits.device)
-        params = [s.params for s in seqs]
         if logits.dim() == 1:  # the runner's picks already (greedy_only: the model's head took the argmax)
             return Sampled(logits, logits, len(seqs))
-        if greedy_only(params):  # the common batch case: an argmax and one copy
+        if greedy_only(seqs):  # the common batch case: an argmax and one copy
             tokens = ops.argmax(logits)
             return Sampled(tokens, tokens, len(seqs))
+        params = [s.params for s in seqs]
         constrained = np.flatnonzero([p.constraint is not None for p in params])
         rows = self._rows(seqs)
         raw = logits
-        if any(p.has_penalties for p in params):
+        if any(map(_NEEDS_HOST_TOKENS, seqs)) and any(p.has_penalties for p in params):
             logits = apply_penalties(logits, seqs, staging)
         if constrained.size:
             logits = self._apply_grammars(logits, raw, seqs, constrained, staging)
@@ -153,24 +160,31 @@ class Sampler:
         return self.structured.apply(logits, seqs, rows, staging, in_place=in_place)
 
     def _rows(self, seqs: list[Sequence]) -> _Rows:
-        params = [s.params for s in seqs]
-        greedy = np.array([p.greedy for p in params], dtype=bool)
-        seeds = np.array([self._seed(s) for s in seqs], dtype=np.uint64)
-        counters = np.array([s.num_output_tokens for s in seqs], dtype=np.uint64)
-        return _Rows(
-            greedy=greedy,
-            temperature=np.array([1.0 if p.greedy else p.temperature for p in params], dtype=np.float32),
-            top_k=np.array([max(p.top_k, 0) for p in params], dtype=np.int64),
-            top_p=np.array([p.top_p for p in params], dtype=np.float32),
-            min_p=np.array([p.min_p for p in params], dtype=np.float32),
-            u=uniforms(seeds, counters),
-            logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64),
-        )
+        """The step's per-row parameters. They are read from the sequences' parameters only when
+        the batch is not the step before's (a decode run keeps its batch for many steps); the
+        uniforms follow each row's count of output tokens."""
+        if seqs != self._batch:  # element identity: one C-level pass
+            params = [s.params for s in seqs]
+            self._batch = list(seqs)
+            self._static = _Rows(
+                greedy=np.array([p.greedy for p in params], dtype=bool),
+                temperature=np.array([1.0 if p.greedy else p.temperature for p in params], dtype=np.float32),
+                top_k=np.array([max(p.top_k, 0) for p in params], dtype=np.int64),
+                top_p=np.array([p.top_p for p in params], dtype=np.float32),
+                min_p=np.array([p.min_p for p in params], dtype=np.float32),
+                u=np.array([self._seed(s) for s in seqs], dtype=np.uint64),  # the seeds, here
+                logprobs=np.array([-1 if p.logprobs is None else p.logprobs for p in params], dtype=np.int64),
+            )
+            self._prompt_lens = np.array([s.num_prompt_tokens for s in seqs], dtype=np.int64)
+        counters = np.fromiter(map(len, map(_TOKEN_IDS, seqs)), np.int64, len(seqs)) - self._prompt_lens
+        return dataclasses.replace(self._static, u=uniforms(self._static.u, counters.astype(np.uint64)))
+
+
+_TOKEN_IDS = operator.attrgetter("token_ids")
 
 
 def sample_rows(logits: torch.Tensor, rows: _Rows, sampled: np.ndarray, staging: Staging) -> torch.Tensor:
     """Draw one token per row of logits (R, V), the rows `sampled` of the step."""
-    vocab = logits.shape[1]
     temp = staging.put("temperature", rows.temperature[sampled], torch.float32)
     logits = logits / temp.unsqueeze(1)
     min_p = rows.min_p[sampled]
@@ -180,12 +194,27 @@ def sample_rows(logits: torch.Tensor, rows: _Rows, sampled: np.ndarray, staging:
         floor = logits.amax(dim=-1, keepdim=True) + log_min_p.unsqueeze(1)
         logits = logits.masked_fill(logits < floor, float("-inf"))
     top_k, top_p = rows.top_k[sampled], rows.top_p[sampled]
-    u = staging.put("uniforms", rows.u[sampled], torch.float64)
     filtered = (top_k > 0) | (top_p < 1.0)
     if not filtered.any():
-        return _inverse_cdf(logits, u)
-    # rows cut by top-k or top-p draw from their candidates in descending order: top-k rows from
-    # the k_max largest (a partial sort), the others from a full sort
+        return _inverse_cdf(logits, staging.put("uniforms", rows.u[sampled], torch.float64))
+    if filtered.all():
+        return _draw_filtered(logits, top_k, top_p, staging.put("uniforms", rows.u[sampled], torch.float64),
+                              staging)
+    # rows without top-k / top-p draw in vocabulary order, as they would in a batch without filtered
+    # rows: a row's token never depends on what else shares its step
+    cut = np.flatnonzero(filtered)
+    u = staging.put("uniforms", np.concatenate([rows.u[sampled], rows.u[sampled][cut]]), torch.float64)
+    tokens = _inverse_cdf(logits, u[: len(sampled)])
+    index = staging.put("filtered_rows", cut, torch.int64)
+    drawn = _draw_filtered(logits.index_select(0, index), top_k[cut], top_p[cut], u[len(sampled):], staging)
+    return tokens.index_copy(0, index, drawn)
+
+
+def _draw_filtered(logits: torch.Tensor, top_k: np.ndarray, top_p: np.ndarray, u: torch.Tensor,
+                   staging: Staging) -> torch.Tensor:
+    """Rows cut by top-k or top-p draw from their candidates in descending order: top-k rows from
+    the k_max largest (a partial sort), the others from a full sort."""
+    vocab = logits.shape[1]
     k_max = int(top_k.max()) if (top_k > 0).all() else vocab
     values, order = (logits.topk(min(k_max, vocab), dim=-1) if k_max < vocab
                      else logits.sort(dim=-1, descending=True))

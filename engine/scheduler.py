@@ -9,6 +9,7 @@ num_tokens, one budget-sized piece at a time. No torch.
 from __future__ import annotations
 
 import heapq
+import operator
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -24,6 +25,9 @@ class ScheduledSequence:
     is_decode: bool  # the one new token is its latest sampled token (not prompt or recompute work)
 
 
+_NUM_NEW_TOKENS = operator.attrgetter("num_new_tokens")
+
+
 @dataclass
 class SchedulerOutput:
     """The iteration batch, as the model runner needs it and telemetry reports it."""
@@ -35,7 +39,7 @@ class SchedulerOutput:
 
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(map(_NUM_NEW_TOKENS, self.scheduled))
 
 
 class FcfsQueue:

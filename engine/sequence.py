@@ -48,6 +48,13 @@ class Sequence:
         self.max_num_tokens = 1 << 62  # prompt + the output tokens it may have (the engine sets it)
         self.stop_token_ids: frozenset[int] = frozenset()  # tokens that end it (EOS unless ignored, its own)
         self.decode_piece = None  # the scheduler's ScheduledSequence for its decode steps, made once
+        self.table_row = -1  # its block-table row on the device (the model runner's), -1: none
+        self.uploaded_blocks = -1  # blocks of its table the runner has uploaded, -1: none
+        # what its parameters ask of each step, worked out once
+        self.greedy_only = (params.greedy and params.logprobs is None and not params.has_penalties
+                            and params.constraint is None)  # its token is the argmax, nothing more
+        self.needs_host_tokens = params.has_penalties or params.constraint is not None  # see the engine
+        self.plain = params.constraint is None and not params.stop  # stops are checked on token ids only
         self.block_table: list[int] = []  # physical KV block per logical block
         self.block_hashes: list[int] = []  # prefix-cache hashes of the full blocks known so far
         self.finish_reason: str | None = None

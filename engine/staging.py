@@ -104,7 +104,7 @@ class Staging:
         self.num_fetches += 1
         epoch, uploads = self._epoch, self.num_uploads  # the copy lands after every upload so far
         if x.device.type == "cpu":
-            fetch = _Fetch(x.numpy().copy(), x.shape, None, epoch, uploads)  # a copy: x may be a static buffer
+            fetch = _Fetch(x.numpy().copy(), x.shape, None, epoch, uploads)  # x may be a static buffer
         else:
             name = f"__fetch_{x.dtype}__"  # one buffer per dtype: steps alternate int64 and float64
             host = self.buffer(name, x.numel(), x.dtype)

@@ -317,6 +317,7 @@ def worker(data_dir: str, broker_url: str | None, queue: str, job_id: str | None
 
     data_dir = usable_data_dir(data_dir)
     config = engine_config(opts, **(_manifest(data_dir, job_id).engine if job_id else {}))
+    _check_device(config.device)
     settings = _broker(data_dir, queue, url=broker_url, timeout_s=shard_timeout)
     check_broker(settings)
     worker_id = worker_id or f"batchgen-{os.getpid()}@{socket.gethostname()}"
@@ -339,7 +340,8 @@ def worker(data_dir: str, broker_url: str | None, queue: str, job_id: str | None
               help="Write the job's output here: .parquet, or .jsonl (for OpenAI Batch input: the OpenAI "
                    "batch output, failed requests in <name>.errors.jsonl).")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
-              help="Worker processes (each loads the model).")
+              help="Worker processes (each loads the model). With --device cuda worker i runs on "
+                   "cuda:(i mod the visible GPUs): one engine per GPU.")
 @click.option("--concurrency", type=click.IntRange(1, MAX_CONCURRENCY),
               help="Shards held in each engine at once (default: enough to fill --max-num-seqs, >= 2).")
 @click.option("--progress/--no-progress", default=True, show_default=True,
@@ -351,6 +353,7 @@ def run(prompts: str, data_dir: str, output: Path | None, workers: int, concurre
     The same command again resumes the job: committed shards are kept, the rest run, --output is
     written at the end. Ctrl-C hands the shards in flight back and prints the command that resumes."""
     config = engine_config(opts)
+    _check_device(config.device)  # before anything is written
     data_dir = usable_data_dir(data_dir)
     request = _job_request(prompts, data_dir, config, opts, output, local=True)
     claim = _claim_run(request)
@@ -377,7 +380,13 @@ def _run_claimed(request, config, data_dir: str, output: Path | None, workers: i
     concurrency = concurrency or min(max(2, math.ceil(config.max_num_seqs / manifest.shard_size) + 1),
                                      MAX_CONCURRENCY)
     json_logs = os.environ.get(LOG_FORMAT_ENV) == "json"  # set by --log-format (jobs.logs)
-    local = LocalRun(manifest, broker, config, workers=workers, concurrency=concurrency,
+    from jobs.placement import PlacementError, place_workers
+
+    try:
+        devices = place_workers(config.device, workers)  # worker i on cuda:(i mod GPUs) for --device cuda
+    except PlacementError as exc:
+        raise click.UsageError(str(exc)) from None
+    local = LocalRun(manifest, broker, config, workers=workers, concurrency=concurrency, devices=devices,
                      show_progress=progress, progress_as_log=json_logs, resume=resumed,
                      output_path=str(output or ""),
                      resume_command=resume_command(sys.argv[1:], manifest.job_id, data_dir))
@@ -385,6 +394,16 @@ def _run_claimed(request, config, data_dir: str, output: Path | None, workers: i
         return local.run()
     except RunError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _check_device(device: str) -> None:
+    """A --device this host does not have is a usage error naming the flag (jobs.placement)."""
+    from jobs.placement import PlacementError, check_device
+
+    try:
+        check_device(device)
+    except PlacementError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _claim_run(request):

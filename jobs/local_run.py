@@ -85,11 +85,13 @@ def worker_env(environ: Mapping[str, str], num_workers: int) -> dict[str, str]:
 class LocalRun:
     def __init__(self, manifest: JobManifest, broker: BrokerSettings, config: EngineConfig, *, workers: int,
                  concurrency: int, show_progress: bool = True, progress_as_log: bool = False,
-                 resume: bool = False, output_path: str = "", resume_command: str = "") -> None:
+                 resume: bool = False, output_path: str = "", resume_command: str = "",
+                 devices: list[str] | None = None) -> None:
         self.manifest = manifest
         self.broker = broker
         self.config = config
         self.num_workers = workers
+        self.devices = devices or [config.device] * workers  # worker i's --device (jobs.placement)
         self.concurrency = concurrency
         self.show_progress = show_progress
         self.progress_as_log = progress_as_log  # JSON logs: progress as log records, not a bar
@@ -143,7 +145,8 @@ class LocalRun:
         cmd = [sys.executable, "-m", "jobs.cli", "worker", "--job", self.manifest.job_id,
                "--data-dir", self.manifest.data_dir, "--broker", "embedded", "--queue", self.broker.queue,
                "--concurrency", str(self.concurrency), "--worker-id", worker_id,
-               "--shard-timeout", str(self.manifest.shard_timeout_s or self.broker.shard_timeout_s)]
+               "--shard-timeout", str(self.manifest.shard_timeout_s or self.broker.shard_timeout_s),
+               "--device", self.devices[index]]
         env = worker_env(os.environ, self.num_workers)
         with open(log_path, "ab") as log:
             # a session of its own: a terminal's Ctrl-C reaches this process only, which then sends

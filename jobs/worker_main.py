@@ -123,7 +123,7 @@ def _record(config: EngineConfig, settings: BrokerSettings, worker_id: str, conc
     now = time.time()
     return WorkerRecord(worker_id, socket.gethostname(), os.getpid(), now, now, lease_ttl_s(),
                         model=config.model, queue=settings.queue, broker=settings.display_url,
-                        concurrency=concurrency, engine_config=asdict(config))
+                        concurrency=concurrency, engine_config=asdict(config), device=config.device)
 
 
 def _serve_metrics(worker_id: str, config: EngineConfig, at: tuple[str, int], record):

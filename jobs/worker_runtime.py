@@ -1,10 +1,11 @@
 """The worker runtime: one long-lived engine per worker process (its `EngineLoop`, jobs.engine_loop),
 and the housekeeping of the shards it holds.
 
-Beside the loop, a housekeeping thread keeps each held shard's lease alive (heartbeat with
-progress), aborts the requests of a job whose cancel marker appears, periodically re-queues the
-shards of dead workers (`jobs.shards.supervise.requeue_dead_shards`), and keeps this worker's record
-(`jobs.store.workers`) fresh so the dashboard can tell an idle worker from a gone one.
+Beside the loop, a housekeeping thread writes the engine's iteration telemetry (the loop's thread
+only queues each step's row), keeps each held shard's lease alive (heartbeat with progress), aborts
+the requests of a job whose cancel marker appears, periodically re-queues the shards of dead workers
+(`jobs.shards.supervise.requeue_dead_shards`), and keeps this worker's record (`jobs.store.workers`)
+fresh so the dashboard can tell an idle worker from a gone one.
 
 When the engine itself fails (out of memory, a kernel that does not compile, a device error:
 engine.faults) the worker hands every shard it holds back to the queue, unwritten and with no retry
@@ -16,6 +17,7 @@ serves Prometheus metrics, to `jobs.metrics.WorkerMetrics` (iterations, and each
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -58,6 +60,10 @@ class WorkerRuntime:
         self.data_dir = data_dir
         self.store = Store(data_dir)
         self.telemetry = self.store.telemetry_buffer(worker_id)
+        # iteration rows wait here for the housekeeping thread (or an idle engine) to write them: the
+        # engine's thread only appends, a part's write never takes a step's time
+        self._pending_iterations: collections.deque[IterationStats] = collections.deque()
+        self._telemetry_lock = threading.Lock()  # the buffer is written from both threads
         self.metrics = metrics
         self.record = record  # written on every heartbeat when given (jobs.store.workers)
         self._on_tick = on_tick  # called every housekeeping tick (revoked tasks, ...)
@@ -83,11 +89,24 @@ class WorkerRuntime:
         return LLMEngine(self.config, stat_loggers=[self._on_iteration])
 
     def _on_iteration(self, stats: IterationStats) -> None:
+        """Called by the engine at the end of every step, on its thread: nothing here may wait."""
         stats.worker_id = self.worker_id
         self.iterations += 1
-        self._telemetry(lambda: self.telemetry.append(stats))
+        self._pending_iterations.append(stats)
         if self.metrics is not None:
             self.metrics.on_iteration(stats)
+
+    def _write_telemetry(self, flush: bool) -> None:
+        """Move the steps' rows into the telemetry buffer (which writes a part every few seconds),
+        and write them all now when `flush`."""
+        with self._telemetry_lock:
+            rows = []
+            while self._pending_iterations:
+                rows.append(self._pending_iterations.popleft())
+            if rows:
+                self._telemetry(lambda: self.telemetry.extend(rows))
+            if flush:
+                self._telemetry(self.telemetry.flush)
 
     def _on_request(self, out: RequestOutput) -> None:
         if self.metrics is not None:
@@ -103,7 +122,7 @@ class WorkerRuntime:
     def _on_idle(self) -> None:
         if self.metrics is not None:  # first: a reader that sees the flushed telemetry sees an idle engine
             self.metrics.on_idle()
-        self._telemetry(self.telemetry.flush)
+        self._write_telemetry(flush=True)
 
     def _telemetry(self, write: Callable[[], object]) -> None:
         """Telemetry is best effort: a write that fails (a full disk) keeps its rows for the next one,
@@ -207,6 +226,7 @@ class WorkerRuntime:
                 held = list(self._held.values())
             for h in held:
                 self._tend(h)
+            self._write_telemetry(flush=False)
             if self._on_tick is not None:
                 self._guarded(self._on_tick, "a housekeeping hook failed")
             if time.monotonic() - last_record >= self._record_every_s:

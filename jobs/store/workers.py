@@ -45,6 +45,7 @@ class WorkerRecord:
     metrics_url: str = ""  # its Prometheus /metrics, when served
     engine_config: dict = field(default_factory=dict)  # the EngineConfig it serves, resolved (every field)
     engine_error: str = ""  # why its engine failed (out of memory, a device error); it then stopped
+    device: str = ""  # where its engine runs: cpu or cuda:N (jobs.placement)
 
     def state(self, now: float) -> str:
         """alive | stopped | lost (see the module docstring)."""

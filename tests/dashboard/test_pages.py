@@ -287,7 +287,8 @@ def test_progress_of_a_running_attempt_shows_before_its_commit(tmp_path):
 def test_workers_show_running_idle_and_gone_with_when(tmp_path):
     """Liveness comes from worker records: a stopped or silent worker is gone, with when, never idle."""
     now = time.time()
-    records = {"busy": dict(heartbeat_ts=now - 1, shards_held=2), "idle": dict(heartbeat_ts=now - 2),
+    records = {"busy": dict(heartbeat_ts=now - 1, shards_held=2, device="cuda:1"),
+               "idle": dict(heartbeat_ts=now - 2),
                "lost": dict(heartbeat_ts=now - 300),
                "stopped": dict(heartbeat_ts=now - 120, stopped_ts=now - 120),
                "failed": dict(heartbeat_ts=now - 60, stopped_ts=now - 60,
@@ -317,3 +318,4 @@ def test_workers_show_running_idle_and_gone_with_when(tmp_path):
     assert re.search(r'class="gone-note"[^>]*>heartbeat lost 5m 0[0-9]s ago<br>', page)
     assert 'href="http://host-a:9400/metrics?busy"' in page
     assert '<small class="engine-error">engine failed: OutOfMemoryError: CUDA out of memory</small>' in page
+    assert workers["busy"]["device"] == "cuda:1" and '<code data-field="device">cuda:1</code>' in page

@@ -87,6 +87,19 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert mixed[3] == alone[0]
 
 
+def test_rows_without_filters_do_not_depend_on_a_filtered_row_in_their_batch():
+    """A row without top-k / top-p draws the same token alone as beside a top-p or top-k row (it
+    once drew from the sorted order whenever any row of its step was filtered)."""
+    logits = LOGITS[torch.tensor([3, 0, 6, 1, 7, 2, 5, 4])]  # not in descending order
+    plain = [Sequence(str(i), [1], SamplingParams(temperature=1.0, seed=i)) for i in range(40)]
+    alone, _ = Sampler()(logits.expand(40, -1).contiguous(), plain)
+    for other in (SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(top_k=3, seed=2)):
+        batch = plain[:20] + [Sequence("f", [1], other)] + plain[20:]
+        mixed, _ = Sampler()(logits.expand(41, -1).contiguous(), batch)
+        assert mixed[:20] + mixed[21:] == alone
+        assert logits[mixed[20]] >= logits.sort(descending=True).values[2 if other.top_k else 7]
+
+
 def test_uniforms_are_a_pure_function_of_seed_and_counter():
     seeds = np.array([0, 1, 2**63, 2**64 - 1], dtype=np.uint64)
     u = uniforms(seeds, np.zeros(4, dtype=np.uint64))

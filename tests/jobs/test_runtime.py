@@ -220,3 +220,25 @@ def test_chat_messages_rows_use_the_chat_template(runtime, data_dir, tmp_path):
     rows = outputs_of(data_dir, m.job_id)
     assert [(r["output_text"], r["finish_reason"], r["prompt_tokens"]) for r in rows] == \
         [(o.text, o.finish_reason, len(o.prompt_token_ids)) for o in ref]
+
+
+def test_the_engine_thread_never_writes_telemetry_while_it_has_work(runtime, monkeypatch):
+    """A step's telemetry row is queued on the engine's thread and written by the housekeeping
+    thread (or when the engine idles): a part's write never takes an engine step's time."""
+    writes = []
+    engine = runtime.loop.engine
+    for name in ("append", "flush"):
+        real = getattr(runtime.telemetry, name)
+
+        def recorded(*args, _real=real, _name=name):
+            writes.append((_name, threading.current_thread().name, engine.has_unfinished_requests()))
+            return _real(*args)
+
+        monkeypatch.setattr(runtime.telemetry, name, recorded)
+    p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    run = ShardRun("t", "t:0:1", [EngineRequest(f"t:0:1:{i}", f"prompt {i}", None, p) for i in range(3)])
+    runtime.loop.submit(run)
+    assert run.done.wait(60)
+    wait_for(lambda: any(w[0] == "flush" and w[1] == "engine-loop" for w in writes), 10, "the idle flush")
+    assert [w for w in writes if w[1] == "engine-loop" and w[2]] == []
+    assert sum(w[0] == "append" for w in writes) >= 30  # every step's row was written, off the steps
