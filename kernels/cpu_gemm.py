@@ -1,6 +1,6 @@
 """The projections' GEMM: the torch reference (`F.linear`) and the cpu-native ones over weights packed
-once: batchgen's own AVX-512 kernel (kernels/csrc/cpu_gemm.h) over panels of 64 output columns, or
-oneDNN over its blocked layout where that kernel has no code.
+once: batchgen's own kernel (kernels/csrc/cpu_gemm.h, AVX-512 or AVX2) over panels of 64 output
+columns, or oneDNN over its blocked layout where that kernel has no code.
 
 Stock `F.linear` on a CPU build of torch runs fp32 through MKL, which on non-Intel x86 (this
 project's AMD EPYC machines) takes its AVX2 code: about 200 GFLOP/s on 2 cores, where oneDNN's
@@ -9,8 +9,9 @@ panel kernel beats oneDNN in turn (bf16 64 x 576 x 960: ~360 against ~290 GF/s w
 cache, ~330 against ~210 streaming them from DRAM as a model's layers do; 1.1-1.9x at 1-8 rows,
 where oneDNN's ~15 us a call weighs most; level from 512 rows up; a bf16 decode step of 64
 sequences 74.6 against 88.6 ms); `batchgen bench gemm` prints all three paths for the model's
-shapes. The panel kernel takes fp32 with AVX-512 and bf16 with AVX512-BF16, N a multiple
-of 64 (bf16: K even); oneDNN the rest of fp32 and bf16 where it packs that dtype. On a CPU with AMX
+shapes. The panel kernel takes fp32 with AVX-512 or AVX2 and FMA, bf16 with AVX512-BF16 or AVX2
+(widened to fp32 in registers), N a multiple of 64 (bf16: K even); oneDNN the rest of fp32 and bf16
+where it packs that dtype. On a CPU with AMX
 (Xeon Sapphire Rapids and later) bf16 panels run on its tiles where K is a multiple of 32 (2
 Xeon cores: 1.5 against oneDNN's 1.2 TF/s at 64 x 576 x 960, 2.1 against 2.0 at 128 x 576 x 3072,
 where vdpbf16ps gave ~0.2; 30 layers' projections streamed from DRAM at 64 rows 20.6 against 22.0
@@ -74,8 +75,9 @@ def packs_dtype(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool
 
 
 def panels_apply(weight: torch.Tensor) -> bool:
-    """Whether the panel kernel takes this (N, K) weight: a library built with AVX-512 (fp32) or
-    AVX512-BF16 (bf16), N a multiple of PANEL, an even K in bf16, and panel_gemm on (kernels/options.py)."""
+    """Whether the panel kernel takes this (N, K) weight: a library variant whose GEMM has code for
+    its dtype (fp32: AVX2 or AVX-512; bf16: AVX2, AVX512-BF16 or AMX), N a multiple of PANEL, an
+    even K in bf16, and panel_gemm on (kernels/options.py)."""
     if not options.current().panel_gemm or not cpu_native.enabled():
         return False
     if weight.dim() != 2 or weight.device.type != "cpu" or weight.shape[0] % PANEL or weight.shape[0] == 0:

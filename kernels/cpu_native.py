@@ -9,6 +9,8 @@ reads keys and values in place from the block-paged cache instead of gathering t
 rotary, SiLU-and-mul), each one pass instead of several torch ops and their temporaries, the KV
 store, the sampler's row-wise argmax and the projections' GEMM over weights packed in panels of 64
 columns (csrc/cpu_gemm.h; kernels/cpu_gemm.py packs them). Threads come from torch's own OpenMP pool.
+The library is built per ISA variant (VARIANTS: avx2, avx512, avx512bf16, amx), each with explicit
+target flags, and a process loads the best its CPU executes (use() picks another it executes).
 When no compiler is found or the build fails, `load()` returns None, says why once in the log and
 the torch path runs instead; KernelOptions(native=False) (kernels/options.py) turns the native path off.
 """

@@ -1,4 +1,4 @@
-/* The projections' GEMM on AVX-512: out (M, N) = x (M, K) @ W.T (+ residual), with W (N, K) packed
+/* The projections' GEMM on AVX-512 (and, further down, AVX2): out (M, N) = x (M, K) @ W.T (+ residual), with W (N, K) packed
  * once (kernels/cpu_gemm.py) into panels of GEMM_NR = 64 output columns:
  *   fp32  [N / 64][K][64]         one k of a panel is 4 zmm of weights
  *   bf16  [N / 64][K / 2][64][2]  pairs (k, k + 1) of a column side by side, as vdpbf16ps takes them
@@ -12,7 +12,8 @@
  *
  * Measured on 2 Zen 4 cores against oneDNN's packed linear (torch's mkldnn._linear_pointwise), in one
  * process: kernels/cpu_gemm.py's docstring has the numbers, its main() prints them again. Declines
- * (returns 2) where it has no code: no AVX-512 (fp32), no AVX512-BF16 (bf16), an odd K in bf16. */
+ * (returns 2) where it has no code: neither AVX-512 nor AVX2 and FMA, bf16 on AVX-512 without
+ * AVX512-BF16 (oneDNN's bf16 serves there), an odd K in bf16. */
 #define GEMM_NR 64
 #define GEMM_MR 6
 #define GEMM_SILU 1    /* epilogue: silu(gate) * up of a gate/up panel pair */
@@ -132,7 +133,10 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(
  * The strips land in a 6 x 64 fp32 buffer whose epilogue adds the residual, or computes silu(gate)
  * * up across the panel's halves, as the AVX-512 tile's does from its registers. bf16 panels (the
  * same pairs layout) are widened to fp32 in registers: a pair of k splits into its even and odd
- * halves with a shift and an and, and each row's pair of x is two broadcasts. */
+ * halves with a shift and an and (x's rows are widened once a tile). Measured on one core, CPU
+ * time of a SmolLM2-135M decode step's projections (30 layers and the lm_head, 64 rows): bf16
+ * 1.04-1.11x fp32's (the widening's ALU work; the weights' halved bytes do not matter at that rate),
+ * a whole generate() 0.965x fp32's (the KV cache's halved bytes do). */
 static inline __attribute__((always_inline)) void gemm_strip_f32(const int mr, const float *x, int64_t xs,
                                                                  const float *w, int64_t k_len, float *buf,
                                                                  const char *pf, int pf_n) {
@@ -153,22 +157,37 @@ static inline __attribute__((always_inline)) void gemm_strip_f32(const int mr, c
     }
 }
 
-static inline __attribute__((always_inline)) void gemm_strip_bf16(const int mr, const uint16_t *x, int64_t xs,
+/* bf16: 16 columns of a panel for mr rows over `pairs` pairs of k, x already widened to fp32 (xf, rows
+ * xfs apart), into buf, adding to what it holds unless first */
+static inline __attribute__((always_inline)) void gemm_strip_bf16(const int mr, const float *xf, int64_t xfs,
                                                                   const uint16_t *w, int64_t pairs, float *buf,
-                                                                  const char *pf, int pf_n) {
+                                                                  const int first, const char *pf, int pf_n,
+                                                                  int64_t pf_k) {
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
     __m256 acc[GEMM_MR][2];
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int r = 0; r < mr; r++) {
+        acc[r][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(buf + r * GEMM_NR);
+        acc[r][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(buf + r * GEMM_NR + 8);
+    }
     for (int64_t k = 0; k < pairs; k++, w += 2 * GEMM_NR) {
-        if (pf) GEMM_PREFETCH(pf, k, pf_n);
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 16));
-        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi));
-        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi));
+        if (pf) GEMM_PREFETCH(pf, pf_k + k, pf_n);
+        /* k's elements, then k + 1's: 12 accumulators, 2 of weights and a broadcast fit the 16
+         * registers, where both halves at once spilled; the barrier makes the second half load the
+         * weights again (from L1) instead of keeping them in two more registers */
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)w), 16));
+        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(w + 16)), 16));
+        for (int r = 0; r < mr; r++) { /* broadcasts from memory: load ports, not the vector ALUs */
+            const __m256 a = _mm256_broadcast_ss(xf + r * xfs + 2 * k);
+            acc[r][0] = _mm256_fmadd_ps(a, e0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, e1, acc[r][1]);
+        }
+        __asm__ __volatile__("" ::: "memory");
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)w), hi));
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(w + 16)), hi));
         for (int r = 0; r < mr; r++) {
-            const uint16_t *xp = x + r * xs + 2 * k;
-            const __m256 ae = _mm256_set1_ps(bf16_to_f32(xp[0])), ao = _mm256_set1_ps(bf16_to_f32(xp[1]));
-            acc[r][0] = _mm256_fmadd_ps(ao, o0, _mm256_fmadd_ps(ae, e0, acc[r][0]));
-            acc[r][1] = _mm256_fmadd_ps(ao, o1, _mm256_fmadd_ps(ae, e1, acc[r][1]));
+            const __m256 a = _mm256_broadcast_ss(xf + r * xfs + 2 * k + 1);
+            acc[r][0] = _mm256_fmadd_ps(a, o0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, o1, acc[r][1]);
         }
     }
     for (int r = 0; r < mr; r++) {
@@ -221,26 +240,42 @@ static inline __attribute__((always_inline)) void gemm_epilogue_avx2(const float
     }
 }
 
-/* the strips a tile computes: every one whose columns reach the output (with silu, a gate strip and
- * its up strip, 32 columns on) */
-#define GEMM_STRIPS(STRIP, KSTEP)                                                                     \
-    float buf[GEMM_MR * GEMM_NR] __attribute__((aligned(32)));                                       \
-    for (int j = 0; j < 4; j++) {                                                                    \
-        if (16 * (epi == GEMM_SILU ? j % 2 : j) >= ncols) continue;                                  \
-        STRIP(mr, x, xs, w + 16 * KSTEP * j, k_len, buf + 16 * j, j == 0 ? pf : NULL, pf_n);         \
-    }
+/* whether strip j (16 columns) reaches the output: with silu, a gate strip and its up strip, 32
+ * columns on, both do where the gate's columns do */
+#define GEMM_STRIP_USED(j) (16 * (epi == GEMM_SILU ? (j) % 2 : (j)) < ncols)
 
 static inline __attribute__((always_inline)) void gemm_tile_f32(
     const int mr, const float *x, int64_t xs, const float *w, int64_t k_len, void *outv, int64_t os,
     int ncols, const float *res, int64_t rs, const char *pf, int pf_n, const int epi) {
-    GEMM_STRIPS(gemm_strip_f32, 1)
+    float buf[GEMM_MR * GEMM_NR] __attribute__((aligned(32)));
+    for (int j = 0; j < 4; j++)
+        if (GEMM_STRIP_USED(j)) gemm_strip_f32(mr, x, xs, w + 16 * j, k_len, buf + 16 * j, j == 0 ? pf : NULL, pf_n);
     gemm_epilogue_avx2(buf, mr, outv, os, ncols, res, rs, epi, 0);
 }
 
+/* bf16: x's rows are widened to fp32 GEMM_XF_PAIRS pairs of k at a time (a 12 KiB buffer on the
+ * stack), once for the four strips; broadcasting a bf16 in the inner loop instead (a shift and a
+ * move per row) left the vector ALUs short of the FMA rate */
+#define GEMM_XF_PAIRS 256
 static inline __attribute__((always_inline)) void gemm_tile_bf16(
-    const int mr, const uint16_t *x, int64_t xs, const uint16_t *w, int64_t k_len, void *outv,
+    const int mr, const uint16_t *x, int64_t xs, const uint16_t *w, int64_t pairs, void *outv,
     int64_t os, int ncols, const uint16_t *res, int64_t rs, const char *pf, int pf_n, const int epi) {
-    GEMM_STRIPS(gemm_strip_bf16, 2)
+    float buf[GEMM_MR * GEMM_NR] __attribute__((aligned(32)));
+    float xf[GEMM_MR * 2 * GEMM_XF_PAIRS] __attribute__((aligned(32)));
+    for (int64_t k0 = 0; k0 < pairs; k0 += GEMM_XF_PAIRS) {
+        const int64_t np = pairs - k0 < GEMM_XF_PAIRS ? pairs - k0 : GEMM_XF_PAIRS;
+        for (int r = 0; r < mr; r++) {
+            const uint16_t *xr = x + r * xs + 2 * k0;
+            float *d = xf + r * 2 * GEMM_XF_PAIRS;
+            int64_t i = 0;
+            for (; i + 8 <= 2 * np; i += 8) _mm256_storeu_ps(d + i, bf16x8_to_ps(_mm_loadu_si128((const __m128i *)(xr + i))));
+            for (; i < 2 * np; i++) d[i] = bf16_to_f32(xr[i]);
+        }
+        for (int j = 0; j < 4; j++)
+            if (GEMM_STRIP_USED(j))
+                gemm_strip_bf16(mr, xf, 2 * GEMM_XF_PAIRS, w + k0 * 2 * GEMM_NR + 32 * j, np, buf + 16 * j, k0 == 0,
+                                j == 0 ? pf : NULL, pf_n, k0);
+    }
     gemm_epilogue_avx2(buf, mr, outv, os, ncols, res, rs, epi, 1);
 }
 #endif

@@ -795,7 +795,10 @@ static void FN(prefill_seq_amx)(const T *q, int64_t q_tok_stride, int64_t q_head
  * measured on 2 Xeon cores, 51 prompts of 64-256 tokens, SmolLM2's 9 x 3 x 64 heads: 6.4-7.4 against
  * 11.5-12.0 ms a layer); its results differ from the vector code's within bf16 rounding.
  * bf16 with AVX512-BF16 only, D in {32, 64, 128, 256}, G <= 8, an even block size; returns 2 for
- * anything else (the caller then takes the decode kernel row by row), 1 when memory ran out. */
+ * anything else (the caller then takes the decode kernel row by row), 1 when memory ran out. fp32,
+ * and bf16 on AVX2, stay row by row: the tiles are built on vdpbf16ps's pairs, which AVX2 has no
+ * counterpart for, and a prefill's attention is a small share of a step at the prompt lengths
+ * measured here (the GEMMs dominate), so no AVX2 tiled version has been written. */
 int FN(paged_prefill_attention)(const T *q, int64_t q_tok_stride, int64_t q_head_stride, const T *k_cache,
                                 const T *v_cache, const int32_t *block_tables, int64_t block_table_stride,
                                 const int32_t *query_starts, const int32_t *context_lens, T *out,
@@ -845,7 +848,9 @@ int FN(paged_prefill_attention)(const T *q, int64_t q_tok_stride, int64_t q_head
         /* an AMX item's keys and values as B tiles: 1 KiB a 16 keys x 32 dims, and a 32 keys x 16 dims */
         const size_t kv_bytes = (size_t)((max_ctx + 31) / 32) * 2048 * (D / 16);
         __m512i *kvbuf = amx_seqs ? (__m512i *)aligned_alloc(64, 2 * kv_bytes) : NULL;
+#if HAVE_AMX
         int cfg = -1;
+#endif
         if (!scores || !probs || (amx_seqs && !kvbuf)) {
 #pragma omp atomic write
             failed = 1;

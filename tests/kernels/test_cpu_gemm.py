@@ -558,3 +558,33 @@ def _args(config):
     from engine.families import read_model_args
 
     return read_model_args(config)
+
+
+def test_bf16_on_a_cpu_without_native_bf16_runs_the_avx2_panels(monkeypatch):
+    """`--dtype bfloat16` on an AVX2 CPU (no avx512_bf16, no AMX) is not refused: its weights go to
+    the AVX2 panel GEMM, bf16 in memory and fp32 in registers (about fp32's speed, half its bytes),
+    the SiLU fused as in fp32, not to oneDNN (which packs no bf16 there) or plain torch; `auto`
+    stays fp32 on such a CPU."""
+    from engine.config import EngineConfig
+    from kernels import cpu_features
+
+    try:
+        cpu_native.use("avx2")
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    try:
+        avx2 = frozenset("avx avx2 fma f16c bmi1 bmi2 movbe".split())
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: avx2)
+        monkeypatch.delenv(cpu_features.PIN_ENV, raising=False)
+        assert EngineConfig(dtype="auto").dtype == "float32"
+        assert EngineConfig(dtype="bfloat16").dtype == "bfloat16"
+        torch.manual_seed(0)
+        model = Transformer(PRESETS["tiny"]).eval().to(torch.bfloat16)
+        hidden = torch.randn(5, model.args.dim, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            plain = model.layers[0].mlp(hidden)
+            model.pack_weights()
+            assert cpu_gemm.packing_summary(model).startswith("panel GEMM 8 (SiLU fused into 2), oneDNN 0")
+            torch.testing.assert_close(model.layers[0].mlp(hidden), plain, atol=3e-2, rtol=3e-2)
+    finally:
+        cpu_native.use(None)

@@ -444,7 +444,7 @@ def test_each_variant_is_built_for_the_vector_units_it_names(cpu_variant):
     assert bool(got & cpu_native.FEATURE_DP_BF16) == (cpu_variant in ("avx512bf16", "amx"))
     assert got & cpu_native.FEATURE_GEMM_F32
     assert bool(got & cpu_native.FEATURE_GEMM_BF16) == (cpu_variant != "avx512")
-    assert cpu_native.amx() == (cpu_variant == "amx")
+    assert cpu_variant == "amx" or not cpu_native.amx()  # tiles only there (where Linux grants them)
 
 
 AVX2_CPU = frozenset("fpu sse sse2 avx avx2 fma f16c bmi1 bmi2 movbe".split())  # Zen 3, no AVX-512
