@@ -232,6 +232,7 @@ class LLMEngine:
             raise self.fault
         ts, t0 = time.time(), time.perf_counter()
         self.structured.mask_fill_s = 0.0
+        any_constrained = self._num_constrained > 0  # before this step finishes any
         sched = self.scheduler.schedule()
         occupancy = (len(self.scheduler.running), len(self.scheduler.waiting))
         for seq in sched.preempted:
@@ -260,7 +261,7 @@ class LLMEngine:
                 self._in_flight = launched
             else:
                 num_finished += self._apply(launched)
-        self._log(sched, ts, time.perf_counter() - t0, num_finished, occupancy)
+        self._log(sched, ts, time.perf_counter() - t0, num_finished, occupancy, any_constrained)
         finished, self._finished = self._finished, []
         return finished
 
@@ -437,7 +438,7 @@ class LLMEngine:
         return self.tokenizer.decode(out_ids)
 
     def _log(self, sched: SchedulerOutput, ts: float, duration: float, num_finished: int,
-             occupancy: tuple[int, int]) -> None:
+             occupancy: tuple[int, int], any_constrained: bool) -> None:
         if not self.stat_loggers:
             self.iteration += 1
             return
@@ -456,7 +457,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=sched.prefix_cache_hit_tokens,
             job_ids=sorted(set(map(_JOB_ID, map(_SEQ, scheduled))) - {None}),
             num_constrained_seqs=(sum(s.seq.params.constraint is not None for s in scheduled)
-                                  if self._num_constrained else 0),
+                                  if any_constrained else 0),
             mask_fill_s=self.structured.mask_fill_s,
         )
         self.iteration += 1
