@@ -265,6 +265,13 @@ class LLMEngine:
         finished, self._finished = self._finished, []
         return finished
 
+    def drain(self) -> None:
+        """Apply the step still in flight (asynchronous scheduling) now: every sequence's latest
+        token is then on the host, as after a synchronous step. Requests it finishes come back from
+        the next step()."""
+        step, self._in_flight = self._in_flight, None
+        self._apply(step)
+
     def _launch(self, scheduled: list[ScheduledSequence], before: _InFlight | None) -> _InFlight:
         """Queue a step on the device: the forward, the sampling and the copy of its tokens to the
         host; nothing is waited for. `before`: the step whose tokens are still placeholders."""
