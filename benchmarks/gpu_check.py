@@ -587,6 +587,7 @@ def decode_step(out: Sink, llm, device: torch.device, quick: bool) -> None:
         engine.step()
     for _ in range(1 if quick else 3):  # warm
         engine.step()
+    engine.drain()  # the in-flight step's tokens on the host: no placeholder left in the inputs below
     bs = engine.config.block_size  # sequences whose next KV slot is allocated already
     running = [s for s in engine.scheduler.running if (s.num_tokens - 1) // bs < len(s.block_table)]
     if engine.runner.graphs:

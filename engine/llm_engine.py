@@ -232,6 +232,7 @@ class LLMEngine:
             raise self.fault
         ts, t0 = time.time(), time.perf_counter()
         self.structured.mask_fill_s = 0.0
+        any_constrained = self._num_constrained > 0  # before this step finishes any
         sched = self.scheduler.schedule()
         occupancy = (len(self.scheduler.running), len(self.scheduler.waiting))
         for seq in sched.preempted:
@@ -260,9 +261,16 @@ class LLMEngine:
                 self._in_flight = launched
             else:
                 num_finished += self._apply(launched)
-        self._log(sched, ts, time.perf_counter() - t0, num_finished, occupancy)
+        self._log(sched, ts, time.perf_counter() - t0, num_finished, occupancy, any_constrained)
         finished, self._finished = self._finished, []
         return finished
+
+    def drain(self) -> None:
+        """Apply the step still in flight (asynchronous scheduling) now: every sequence's latest
+        token is then on the host, as after a synchronous step. Requests it finishes come back from
+        the next step()."""
+        step, self._in_flight = self._in_flight, None
+        self._apply(step)
 
     def _launch(self, scheduled: list[ScheduledSequence], before: _InFlight | None) -> _InFlight:
         """Queue a step on the device: the forward, the sampling and the copy of its tokens to the
@@ -437,7 +445,7 @@ class LLMEngine:
         return self.tokenizer.decode(out_ids)
 
     def _log(self, sched: SchedulerOutput, ts: float, duration: float, num_finished: int,
-             occupancy: tuple[int, int]) -> None:
+             occupancy: tuple[int, int], any_constrained: bool) -> None:
         if not self.stat_loggers:
             self.iteration += 1
             return
@@ -456,7 +464,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=sched.prefix_cache_hit_tokens,
             job_ids=sorted(set(map(_JOB_ID, map(_SEQ, scheduled))) - {None}),
             num_constrained_seqs=(sum(s.seq.params.constraint is not None for s in scheduled)
-                                  if self._num_constrained else 0),
+                                  if any_constrained else 0),
             mask_fill_s=self.structured.mask_fill_s,
         )
         self.iteration += 1

@@ -204,7 +204,8 @@ def test_more_than_one_host_sync_per_decode_step_is_a_failed_row(ckpt, tmp_path)
     llm = _llm(ckpt)
     staging = llm.engine.runner.staging
     execute = llm.engine.runner.execute
-    llm.engine.runner.execute = lambda sched: (staging.wait(), execute(sched))[1]  # one wait too many
+    # one wait too many
+    llm.engine.runner.execute = lambda sched, feed=None: (staging.wait(), execute(sched, feed))[1]
     gpu_check.decode_step(Sink(tmp_path / "rows.jsonl", "engine"), llm, torch.device("cpu"), quick=True)
     rows = _rows(tmp_path / "rows.jsonl")
     assert [r["status"] for r in rows] == ["FAILED"]

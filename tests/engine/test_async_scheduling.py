@@ -143,3 +143,25 @@ def test_steps_with_penalties_are_applied_at_once(ckpt):
                          (SamplingParams(max_tokens=6, temperature=0.5, seed=1), 6)):
         _, llm, in_flight = _run(ckpt, CONFIGS["roomy"], prompts, [params] * len(prompts), True)
         assert in_flight == left
+
+
+def test_drain_applies_the_step_in_flight_and_the_tokens_stay_the_same(ckpt):
+    """drain() (gpu-check's graph comparison needs real input tokens) leaves no placeholder, and the
+    run goes on to the synchronous tokens."""
+    prompts, _ = _requests(6, seed=4, stops={}, shared_prefix=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reference = [o.token_ids for o in LLM("tiny", checkpoint=ckpt, **CONFIGS["roomy"],
+                                          async_scheduling=False).generate(prompts, params)]
+    engine = LLM("tiny", checkpoint=ckpt, **CONFIGS["roomy"]).engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    outs = {}
+    for _ in range(3):
+        outs.update((o.request_id, o) for o in engine.step())
+    assert any(s.pending_row is not None for s in engine.scheduler.running)
+    engine.drain()
+    assert engine._in_flight is None
+    assert all(s.pending_row is None and PLACEHOLDER not in s.token_ids for s in engine.scheduler.running)
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert [outs[str(i)].token_ids for i in range(len(prompts))] == reference

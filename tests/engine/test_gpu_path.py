@@ -120,8 +120,8 @@ def test_the_next_step_is_queued_before_the_host_waits_for_the_tokens(ckpt, monk
         llm = LLM("tiny", checkpoint=ckpt, **{**CONFIG, "async_scheduling": async_scheduling})
         events, staging, model = [], llm.engine.runner.staging, llm.engine.runner.model
         real_wait, real_forward = staging.fetch_wait, model.forward
-        staging.fetch_wait = lambda fetch: (events.append("wait"), real_wait(fetch))[1]
-        model.forward = lambda *a, **k: (events.append("forward"), real_forward(*a, **k))[1]
+        staging.fetch_wait = lambda fetch, ev=events, w=real_wait: (ev.append("wait"), w(fetch))[1]
+        model.forward = lambda *a, ev=events, f=real_forward, **k: (ev.append("forward"), f(*a, **k))[1]
         llm.generate(*_overlappable(*_requests(4)))
         order[async_scheduling] = "".join("F" if e == "forward" else "w" for e in events)
     assert order[False] == "Fw" * (len(order[False]) // 2)

@@ -88,7 +88,7 @@ def greedy(llm, prompts):
         model.greedy_tokens = real_greedy
         sampler_module.sample_rows, sampler_module.top_logprobs = real_rows, real_top
     head = model.lm_head or model.tied_head
-    counts["steps"] = len(llm.iteration_stats)
+    counts["steps"] = sum(s.num_scheduled_seqs > 0 for s in llm.iteration_stats)  # async: last applies only
     counts["panels"] = head is not None and cpu_gemm.is_panels(head.weight)
     return outs, counts
 

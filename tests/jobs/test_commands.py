@@ -200,12 +200,13 @@ def _shard_lines(output: str) -> list[str]:
 
 @pytest.mark.slow
 def test_run_whose_engine_cannot_start_fails_with_exit_1(tmp_path):
-    """Bad model files are refused at submission (tests/jobs/test_model_checks.py); an engine that
-    still cannot start (here: a CUDA device this machine does not have) fails the run with exit 1."""
+    """Bad model files are refused at submission (tests/jobs/test_model_checks.py), a device this host
+    does not have before anything starts (tests/jobs/test_placement.py); an engine that still cannot
+    start (here: a KV cache budget too small for one block) fails the run with exit 1."""
     src = _write(tmp_path / "in.parquet", prompt=["a"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "jobs.cli", "run", src, "--model", "tiny-random", "--device", "cuda:63",
-           "--data-dir", str(tmp_path / "data"), "--no-progress"]
+    cmd = [sys.executable, "-m", "jobs.cli", "run", src, "--model", "tiny-random", "--kv-cache-memory",
+           "0.0000001", "--data-dir", str(tmp_path / "data"), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "worker 0 exited with code 1" in proc.stderr and "cannot start its engine" in proc.stderr

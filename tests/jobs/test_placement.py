@@ -86,3 +86,12 @@ def test_a_workers_device_is_in_its_record_and_its_metrics_labels():
     record = _record(config, BrokerSettings("embedded", "embedded", "q", 60.0), "w1", 2)
     assert record.device == "cuda:1" and record.engine_config["device"] == "cuda:1"
     assert _info_labels(config)["device"] == "cuda:1"
+
+
+def test_on_a_host_without_cuda_a_cuda_device_is_refused_before_any_worker_starts(tmp_path):
+    """The real GPU count of this host (none in CI): `run --device cuda` is a usage error."""
+    if placement.visible_gpus():
+        pytest.skip("this host has a GPU")
+    result = CliRunner().invoke(cli, ["run", _prompts(tmp_path), "--model", MODEL, "--data-dir",
+                                      str(tmp_path / "data"), "--device", "cuda"])
+    assert result.exit_code == 2 and "--device cuda: no CUDA device is visible" in result.output
