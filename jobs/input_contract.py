@@ -285,7 +285,7 @@ class RequestIds:
             return
         self._writer.close()
         self._writer = None
-        found = _first_repeat(self.spill_dir / "ids.parquet", self.spill_dir / "duckdb-spill")
+        found = _first_repeat(self.spill_dir / "ids.parquet", self.spill_dir / "duckdb-spill", self.num_rows)
         if found is not None:
             rid, file, pos, first = found
             path, is_line = self._files[file]
@@ -297,23 +297,41 @@ def _arange(start: int, n: int) -> pa.Array:
     return pa.array(np.arange(start, start + n, dtype=np.int64))
 
 
-ID_CHECK_MEMORY = "128MB"  # DuckDB's memory for the duplicate id check; past it, it spills to disk
+ID_CHECK_MEMORY = "160MB"  # DuckDB's memory for the duplicate id check; past it, it spills to disk
+ID_CHECK_PARTITION_ROWS = 8_000_000  # ids checked a partition at a time (by hash: a repeat stays in one)
 
 
-def _first_repeat(ids_file: Path, temp_dir: Path) -> tuple[str, int, int, int] | None:
+def _first_repeat(ids_file: Path, temp_dir: Path, rows: int) -> tuple[str, int, int, int] | None:
     """(id, file, row or line, first input row) of the first row in input order whose id an earlier row
-    used, from a spill file of (id, row, file, pos); None when every id is unique."""
+    used, from a spill file of `rows` (id, row, file, pos); None when every id is unique.
+
+    Past ID_CHECK_PARTITION_ROWS the ids are first split by a hash of the id into partitions of about
+    that many rows (one pass), each checked alone: one GROUP BY over 100M distinct ids ran out of
+    DuckDB's memory limit instead of spilling. Every copy of an id lands in one partition, so the
+    first repeat of the input is the earliest of the partitions' first repeats."""
     import duckdb
 
+    temp_dir.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(config={"memory_limit": ID_CHECK_MEMORY, "temp_directory": str(temp_dir),
                                  "preserve_insertion_order": False})
+    query = ("WITH repeated AS (SELECT id, min(row) AS first FROM read_parquet($files) GROUP BY id "
+             "HAVING count(*) > 1) "
+             "SELECT s.id, s.file, s.pos, r.first, s.row FROM read_parquet($files) s JOIN repeated r "
+             "ON s.id = r.id AND s.row > r.first ORDER BY s.row LIMIT 1")
     try:
-        source = "read_parquet(?)"
-        return con.execute(
-            f"WITH repeated AS (SELECT id, min(row) AS first FROM {source} GROUP BY id HAVING count(*) > 1) "
-            f"SELECT s.id, s.file, s.pos, r.first FROM {source} s JOIN repeated r "
-            "ON s.id = r.id AND s.row > r.first ORDER BY s.row LIMIT 1",
-            [str(ids_file), str(ids_file)]).fetchone()
+        parts = -(-rows // ID_CHECK_PARTITION_ROWS)
+        if parts <= 1:
+            found = [con.execute(query, {"files": [str(ids_file)]}).fetchone()]
+        else:
+            split = temp_dir / "partitions"
+            con.execute(f"COPY (SELECT id, row, file, pos, hash(id) % {parts} AS p FROM read_parquet($file)) "
+                        f"TO '{split}' (FORMAT parquet, PARTITION_BY (p), COMPRESSION lz4)",
+                        {"file": str(ids_file)})
+            found = [con.execute(query, {"files": files}).fetchone()
+                     for files in (sorted(str(f) for f in (split / f"p={k}").glob("*.parquet"))
+                                   for k in range(parts)) if files]
+        hits = [hit for hit in found if hit is not None]
+        return min(hits, key=lambda hit: hit[4])[:4] if hits else None
     finally:
         con.close()
 

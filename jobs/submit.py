@@ -89,10 +89,16 @@ def prepare_job(req: JobRequest, broker: BrokerSettings) -> JobManifest:
     job_id = _job_id(req.job_id, data_dir, now)
     staging = jobs_root(data_dir) / f".staging-{job_id}-{new_uid()}"
     staging.mkdir(parents=True)
+    pool = pa.default_memory_pool()
+    # Arrow's default mimalloc keeps the pages it freed in its arenas, on transparent huge pages: over
+    # a 100M-row input the resident size grew by ~5 bytes a row while live Arrow memory stayed ~4 MB.
+    # The system allocator gives them back.
+    pa.set_memory_pool(pa.system_memory_pool())
     try:
         manifest = _write_shards(req, files, staging, data_dir, job_id, defaults, broker, now)
         _move_into_place(staging, JobPaths.of(data_dir, job_id), manifest)
     finally:
+        pa.set_memory_pool(pool)
         shutil.rmtree(staging, ignore_errors=True)
     return manifest
 
