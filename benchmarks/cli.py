@@ -28,6 +28,12 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "gpu-check": ("benchmarks.gpu_check:main",
                   "The GPU path end to end on one CUDA device (make gpu-check)."),
     "soak": ("benchmarks.soak:main", "Faults against a real job on Redis, then a count of every row."),
+    "host-step": ("benchmarks.host_step:main",
+                  "Host work per decode step with the forward a no-op (scheduler, inputs, sampler)."),
+    "job-path": ("benchmarks.job_path:main", "A whole `batchgen run` against the bare engine, same rows."),
+    "submit-scale": ("benchmarks.submit_scale:main", "Submit's time and peak memory at 1M to 100M rows."),
+    "store-live": ("benchmarks.store_live:main",
+                   "Every dashboard query and `status`, timed while a large job's parts land."),
 }
 # benchmarks that log as they go: --log-format text|json (jobs.logs), as the long-running commands
 LOGGING = ("throughput",)
