@@ -479,14 +479,23 @@ def _cell(name: str, value: Any) -> Any:
 
 def _json_value(name: str, text: str) -> Any:
     try:
+        return load_json(text)
+    except ValueError as exc:
+        raise ValueError(f"{name} is {exc}") from None
+
+
+def load_json(text: str) -> Any:
+    """json.loads within the nesting limit; a ValueError that says what is wrong ("not JSON (...)",
+    "JSON nested ..."), for the caller to prefix with where the text came from."""
+    try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{name} is not JSON ({exc.msg} at column {exc.colno})") from None
+        raise ValueError(f"not JSON ({exc.msg} at column {exc.colno})") from None
     except RecursionError:
-        raise ValueError(f"{name} is JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
     depth = json_depth(value)
     if depth > MAX_JSON_DEPTH:
-        raise ValueError(f"{name} is JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH}")
+        raise ValueError(f"JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH}")
     return value
 
 

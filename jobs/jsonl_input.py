@@ -29,11 +29,10 @@ from jobs import openai_batch
 from jobs.input_contract import (
     KNOWN_COLUMNS,
     MAX_CELL_BYTES,
-    MAX_JSON_DEPTH,
     MAX_N,
     SAMPLING_COLUMNS,
     InputError,
-    json_depth,
+    load_json,
 )
 from jobs.manifest import URL_COLUMN
 
@@ -160,16 +159,11 @@ def _decode(raw: bytes, path: Path, line_no: int) -> str:
 
 def _parse(text: str, path: Path, line_no: int) -> dict:
     try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path} line {line_no}: not JSON ({exc.msg} at column {exc.colno})") from None
-    except RecursionError:
-        raise InputError(f"{path} line {line_no}: JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+        obj = load_json(text)
+    except ValueError as exc:
+        raise InputError(f"{path} line {line_no}: {exc}") from None
     if not isinstance(obj, dict):
         raise InputError(f"{path} line {line_no}: a line must be a JSON object, got {type(obj).__name__}")
-    depth = json_depth(obj)
-    if depth > MAX_JSON_DEPTH:
-        raise InputError(f"{path} line {line_no}: JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH}")
     return obj
 
 
