@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs import spec
+from jobs import input_contract
 from jobs import submit as submit_mod
 from jobs.broker import resolve_broker
 from jobs.input_contract import InputError, RequestIds
@@ -46,7 +46,7 @@ def _ids_file(path, ids, row_group_size):
 @pytest.mark.parametrize("partition_rows", [None, 3000])  # one check; ids split by hash into 7 checks
 def test_a_duplicate_far_apart_in_a_many_row_group_file_is_named(tmp_path, monkeypatch, partition_rows):
     if partition_rows:
-        monkeypatch.setattr(spec, "ID_CHECK_PARTITION_ROWS", partition_rows)
+        monkeypatch.setattr(input_contract, "ID_CHECK_PARTITION_ROWS", partition_rows)
     ids = [f"r{i}" for i in range(20_000)]
     ids[17_321] = "r10"  # the 35th row group repeats an id of the first
     src = _ids_file(tmp_path / "big.parquet", ids, row_group_size=500)
@@ -80,7 +80,7 @@ def test_a_duplicate_jsonl_line_far_apart_is_named_by_line(tmp_path):
 
 
 def test_the_earliest_repeat_of_all_partitions_is_named(tmp_path, monkeypatch):
-    monkeypatch.setattr(spec, "ID_CHECK_PARTITION_ROWS", 500)
+    monkeypatch.setattr(input_contract, "ID_CHECK_PARTITION_ROWS", 500)
     ids = [f"q{i}" for i in range(6000)]
     ids[5990], ids[4000], ids[2500] = "q7", "q3999", "q2400"  # three repeats, likely in three partitions
     src = _ids_file(tmp_path / "p.parquet", ids, row_group_size=1000)
