@@ -87,14 +87,19 @@ def _stand_in_vllm(monkeypatch, seen: dict) -> None:
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
 
 
+def _run_script(tmp_path, monkeypatch, wl, max_num_seqs: int, max_tokens: int, dtype: str,
+                stdin: str) -> None:
+    """The baseline script's main() on a spec of `wl`, reading `stdin`'s go lines."""
+    spec = vllm_baseline.make_spec("/m", wl.prompts, wl.output_lens, max_num_seqs, max_tokens, dtype)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+    vllm_baseline.main(str(tmp_path / "spec.json"))
+
 def test_script_runs_the_spec_greedy_with_ignore_eos(tmp_path, monkeypatch, capsys):
     seen: dict = {}
     _stand_in_vllm(monkeypatch, seen)
     wl = make_workload(6, (3, 9), (2, 5), 100, seed=3)
-    spec = vllm_baseline.make_spec("/m", wl.prompts, wl.output_lens, 128, 8192, "bfloat16")
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    monkeypatch.setattr(sys, "stdin", io.StringIO(vllm_baseline.GO + "\n"))  # one round
-    vllm_baseline.main(str(tmp_path / "spec.json"))
+    _run_script(tmp_path, monkeypatch, wl, 128, 8192, "bfloat16", vllm_baseline.GO + "\n")  # one round
     assert seen["llm"] == {"model": "/m", "dtype": "bfloat16", "seed": 0, "max_num_seqs": 128,
                            "max_num_batched_tokens": 8192, "enable_prefix_caching": False}
     warm, _ = seen["calls"][0]  # no warm-up prompt is a whole workload prompt (a cached prefix)
@@ -242,10 +247,7 @@ def test_script_waits_for_each_go(tmp_path, monkeypatch, capsys):
     seen: dict = {}
     _stand_in_vllm(monkeypatch, seen)
     wl = make_workload(3, (3, 5), (2, 3), 100, seed=1)
-    spec = vllm_baseline.make_spec("/m", wl.prompts, wl.output_lens, 8, 64, "float32")
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    monkeypatch.setattr(sys, "stdin", io.StringIO("go\ngo\n"))
-    vllm_baseline.main(str(tmp_path / "spec.json"))
+    _run_script(tmp_path, monkeypatch, wl, 8, 64, "float32", "go\ngo\n")
     out = capsys.readouterr().out
     assert out.count(vllm_baseline.RESULT_PREFIX) == 2 and len(seen["calls"]) == 3  # a warm-up, 2 runs
     assert out.splitlines()[0] == vllm_baseline.READY  # after the warm-up, before the first go
