@@ -7,6 +7,10 @@ the requests of a job whose cancel marker appears, periodically re-queues the sh
 (`jobs.shards.supervise.requeue_dead_shards`), and keeps this worker's record (`jobs.store.workers`)
 fresh so the dashboard can tell an idle worker from a gone one.
 
+The janitor (re-queueing dead workers' shards, compacting the store) runs on a maintenance thread of
+its own: a compaction of a large store takes minutes, and on the housekeeping thread it would stop
+the heartbeats of the shards this worker holds, so other workers would take them for dead.
+
 When the engine itself fails (out of memory, a kernel that does not compile, a device error:
 engine.faults) the worker hands every shard it holds back to the queue, unwritten and with no retry
 used, writes the reason into its record (`batchgen status`, the dashboard's workers page) and stops.
@@ -36,6 +40,8 @@ from jobs.shards.leases import HEARTBEAT_FRACTION, Lease, lease_ttl_s
 from jobs.store import Store, WorkerRecord, write_worker_record
 
 log = logging.getLogger(__name__)
+
+MAINTENANCE_JOIN_S = 30.0  # a stopping worker waits this long for a janitor pass (a compaction) to end
 
 
 @dataclass
@@ -82,6 +88,7 @@ class WorkerRuntime:
         self.loop = EngineLoop(self._make_engine, on_idle=self._on_idle, on_finished=self._on_request,
                                on_fault=self._on_engine_fault)
         self._house = threading.Thread(target=self._housekeeping, name="worker-housekeeping", daemon=True)
+        self._maintenance = threading.Thread(target=self._maintain, name="worker-maintenance", daemon=True)
 
     def _make_engine(self):
         from engine.llm_engine import LLMEngine
@@ -141,12 +148,21 @@ class WorkerRuntime:
         self._write_record()
         self.loop.start()
         self._house.start()
+        if self._janitor is not None:
+            self._maintenance.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
         self.loop.stop(timeout=60)
         self._house.join(timeout=10)
+        if self._maintenance.is_alive():
+            # a compaction publishes by rename and deletes nothing, so one cut short at exit only
+            # leaves a temporary file and its group's lock (broken once stale); still, let it end
+            self._maintenance.join(timeout=MAINTENANCE_JOIN_S)
+            if self._maintenance.is_alive():
+                log.warning("worker %s: the janitor's pass (a compaction) is still running after %.0f s; "
+                            "stopping without it", self.worker_id, MAINTENANCE_JOIN_S)
         if self.record is not None:
             self.record.stopped_ts = time.time()
             self._write_record()
@@ -217,7 +233,7 @@ class WorkerRuntime:
 
     # -- housekeeping
     def _housekeeping(self) -> None:
-        last_janitor = last_record = time.monotonic()
+        last_record = time.monotonic()
         while not self._stop.wait(self._tick_s):
             if not self.loop.alive:
                 self._give_up()
@@ -232,9 +248,14 @@ class WorkerRuntime:
             if time.monotonic() - last_record >= self._record_every_s:
                 last_record = time.monotonic()
                 self._guarded(self._write_record, "writing the worker record failed")
-            if self._janitor is not None and time.monotonic() - last_janitor >= self._janitor_interval_s:
-                last_janitor = time.monotonic()
-                self._guarded(self._janitor, "re-queueing dead shards failed")
+
+    def _maintain(self) -> None:
+        """The janitor, every janitor interval, on this thread alone: however long a pass takes (a
+        compaction), the housekeeping thread's heartbeats go on."""
+        while not self._stop.wait(self._janitor_interval_s):
+            if not self.loop.alive:
+                return
+            self._guarded(self._janitor, "the janitor (re-queueing dead shards, compaction) failed")
 
     def _write_record(self) -> None:
         """Stamp and write this worker's record (jobs.store.workers): its heartbeat for the dashboard."""
