@@ -4,7 +4,9 @@ Fields left at None (or dtype "auto") take the defaults of the device they run o
 measured on 2 cores (the sweep's knee), the GPU's are sized for one large GPU (bf16, the batch and
 token budget nano-vllm and vLLM use). dtype "auto" on the CPU is bf16 where the CPU has native bf16
 (AVX512-BF16 or AMX), else fp32 (kernels/cpu_features.py); `dtype_reason` says why. After
-construction every such field holds its resolved value, so what a config says is what the engine runs.
+construction every such field holds its resolved value, so what a config says is what the engine runs;
+the one exception is cpu_threads, which belongs to the process that runs the engine (the CPUs it may
+use), not to a job: the engine resolves it (LLMEngine.cpu_threads), so a recorded config stays portable.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class EngineConfig:
         "No CUDA graphs: every step runs eagerly (on CPU, decode steps skip the static buffers too)."))
     async_scheduling: bool = field(default=True, metadata=_flag(
         "Prepare the next step while the device runs this one (default on; same tokens either way)."))
+    cpu_threads: int | None = field(default=None, metadata=_flag(
+        "CPU: threads an engine step runs on, whichever thread steps it (default: $OMP_NUM_THREADS if "
+        "set, else every CPU this process may run on)."))
     seed: int = 0  # seeds requests that give no seed of their own (jobs set it per row: --seed)
     # the kernels' variants (kernels/options.py), set when the engine is built; None leaves the process's
     # as they are. Not a flag: only the benchmarks and the tests choose another variant than the default
@@ -117,6 +122,8 @@ class EngineConfig:
                 and self.kv_cache_memory_gb > 0):
             raise ValueError(f"kv_cache_memory_gb must be a number of GiB > 0, "
                              f"got {self.kv_cache_memory_gb!r}")
+        if self.cpu_threads is not None:
+            _check_range("cpu_threads", self.cpu_threads, 1, 4096)
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
         if self.dtype not in _DTYPES:

@@ -24,6 +24,7 @@ from engine.families import read_model_args
 from engine.faults import EngineFault, is_device_fault
 from engine.model import ModelArgs, Transformer
 from engine.model_runner import DTYPES, ModelRunner, kv_block_bytes
+from engine.openmp import engine_threads
 from engine.outputs import RequestOutput
 from engine.sampler import Sampled, Sampler
 from engine.sampling_params import SamplingParams
@@ -46,6 +47,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, checkpoint=None, stat_loggers: Seq[StatLogger] = ()) -> None:
         """Load the model named by config.model (or use a loaded `checkpoint`), size the KV cache."""
         self.config = config
+        # CPU: the threads every step runs on, set on whichever thread steps the engine (engine.openmp)
+        self.cpu_threads = engine_threads(config.cpu_threads) if config.device_kind == "cpu" else None
+        self._use_cpu_threads()
         if checkpoint is None:
             from engine.loader import load_checkpoint
             from engine.registry import resolve_model
@@ -75,6 +79,12 @@ class LLMEngine:
         self._num_constrained = 0  # unfinished requests with a grammar
         self._in_flight: _InFlight | None = None  # a launched step whose tokens are not applied yet
         self.fault: EngineFault | None = None  # set when a step failed the engine: no step runs after it
+
+    def _use_cpu_threads(self) -> None:
+        """torch's thread count is the calling thread's own: a worker steps its engine from a thread of
+        its own, a script from its main thread, and both get the engine's count."""
+        if self.cpu_threads is not None and torch.get_num_threads() != self.cpu_threads:
+            torch.set_num_threads(self.cpu_threads)
 
     def _num_kv_blocks(self) -> int:
         """KV blocks: as configured, else what the memory budget holds, never more than every
@@ -228,6 +238,7 @@ class LLMEngine:
         Raises EngineFault when the engine itself failed (engine.faults): the device ran out of
         memory, a kernel did not compile, the device reported an error. No request is finished for
         it, and every later call raises it again: the engine's state is unknown."""
+        self._use_cpu_threads()
         if self.fault is not None:
             raise self.fault
         ts, t0 = time.time(), time.perf_counter()

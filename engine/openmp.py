@@ -1,4 +1,4 @@
-"""The OpenMP waiting an engine process starts with.
+"""OpenMP: the waiting an engine process starts with, and the threads an engine steps on.
 
 Threads that finish a parallel region spin briefly, then sleep: libgomp's default spins far longer,
 which on a machine with more runnable threads than cores holds the cores that the late thread of the
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import MutableMapping
+
+THREADS_ENV = "OMP_NUM_THREADS"
 
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
 # the variables set_openmp_defaults() set in this process (not the user's): the vLLM baseline drops
@@ -36,3 +38,28 @@ def no_spin_unless_chosen(env: MutableMapping[str, str]) -> None:
     unless the spin there is someone's choice rather than this default."""
     if "GOMP_SPINCOUNT" in SET_BY_ENGINE:
         env["GOMP_SPINCOUNT"] = "0"
+
+
+def engine_threads(configured: int | None = None) -> int:
+    """The threads a CPU engine's steps run on: `configured` (--cpu-threads), else $OMP_NUM_THREADS,
+    else every CPU this process may run on (its affinity mask), as vLLM's CPU backend binds its threads.
+
+    Not torch's own default: torch gives the main thread one thread per physical core, while a thread
+    started later (a worker's engine loop) got every logical CPU, so the same engine ran at two speeds
+    (2x on a 2-vCPU VM with SMT siblings) depending on which thread stepped it. The engine sets this
+    count on whichever thread steps it."""
+    if configured is not None:
+        return configured
+    raw = os.environ.get(THREADS_ENV, "").split(",")[0].strip()
+    if raw:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"{THREADS_ENV} must be a number of threads, got {raw!r}") from None
+        if value < 1:
+            raise ValueError(f"{THREADS_ENV} must be >= 1, got {raw!r}")
+        return value
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1

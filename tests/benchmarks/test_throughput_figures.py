@@ -84,3 +84,10 @@ def test_the_machine_is_named_with_its_model_and_isa_flags():
     assert describe(info).startswith("machine: AMD EPYC 7B13 64-Core Processor, ")
     assert describe(info).endswith("CPUs; flags: sse4_2 avx avx2 fma f16c")
     assert "flags: none" in describe(machine_info(cpuinfo=""))
+
+
+def test_smt_siblings_are_named_where_a_core_runs_two_threads():
+    smt = CPUINFO.replace("flags\t\t: fpu", "siblings\t: 2\ncpu cores\t: 1\nflags\t\t: fpu", 1)
+    info = machine_info(cpuinfo=smt)
+    assert info["threads_per_core"] == 2 and "(2 threads a core); flags: sse4_2" in describe(info)
+    assert machine_info(cpuinfo=CPUINFO)["threads_per_core"] is None

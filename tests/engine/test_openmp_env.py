@@ -77,3 +77,56 @@ def test_a_worker_started_on_its_own_does_not_spin_unless_told():
         out = subprocess.run([sys.executable, "-c", WORKER_PROBE], env=env, capture_output=True, text=True,
                              check=True)
         assert out.stdout.strip() == expected
+
+
+def test_the_engines_threads_come_from_the_flag_then_omp_num_threads_then_the_affinity_mask(monkeypatch):
+    monkeypatch.delenv(openmp.THREADS_ENV, raising=False)
+    assert openmp.engine_threads(3) == 3
+    assert openmp.engine_threads() == len(os.sched_getaffinity(0))
+    monkeypatch.setenv(openmp.THREADS_ENV, "5")
+    assert openmp.engine_threads() == 5
+    assert openmp.engine_threads(2) == 2
+    for bad in ("many", "0"):
+        monkeypatch.setenv(openmp.THREADS_ENV, bad)
+        with pytest.raises(ValueError, match="OMP_NUM_THREADS"):
+            openmp.engine_threads()
+
+
+def test_a_bad_cpu_threads_is_refused_naming_it():
+    from engine import EngineConfig
+
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="cpu_threads"):
+            EngineConfig(model="tiny-random", cpu_threads=bad)
+
+
+def test_an_engine_steps_on_its_thread_count_whichever_thread_steps_it():
+    """torch's count is per thread (a worker steps its engine from a thread of its own, a script from
+    its main thread): each step sets the engine's count on the thread that runs it."""
+    import threading
+
+    import torch
+
+    from engine import EngineConfig, SamplingParams
+    from engine.llm_engine import LLMEngine
+
+    before = torch.get_num_threads()
+    try:
+        engine = LLMEngine(EngineConfig(model="tiny-random", max_num_seqs=2, cpu_threads=3))
+        assert engine.cpu_threads == 3
+        seen = []
+
+        def run_one(name: str) -> None:
+            torch.set_num_threads(1)  # what this thread had before
+            engine.add_request(name, "a prompt", SamplingParams(max_tokens=2, temperature=0.0))
+            while engine.has_unfinished_requests():
+                engine.step()
+                seen.append((name, torch.get_num_threads()))
+
+        run_one("main")
+        thread = threading.Thread(target=run_one, args=("thread",))
+        thread.start()
+        thread.join()
+        assert {n for n, _ in seen} == {"main", "thread"} and {t for _, t in seen} == {3}, seen
+    finally:
+        torch.set_num_threads(before)
