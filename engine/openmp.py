@@ -12,7 +12,7 @@ numbers are in docs/benchmarks.md ("OpenMP waiting").
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 THREADS_ENV = "OMP_NUM_THREADS"
 
@@ -40,7 +40,14 @@ def no_spin_unless_chosen(env: MutableMapping[str, str]) -> None:
         env["GOMP_SPINCOUNT"] = "0"
 
 
-def engine_threads(configured: int | None = None) -> int:
+def share_cpus(env: MutableMapping[str, str], engines: int) -> None:
+    """For `engines` engines started together on this machine: each gets its share of the CPUs this
+    process may use ($OMP_NUM_THREADS in env, which engine_threads reads), unless one was set."""
+    if THREADS_ENV not in env:
+        env[THREADS_ENV] = str(max(1, engine_threads(None, {}) // max(1, engines)))
+
+
+def engine_threads(configured: int | None = None, environ: Mapping[str, str] | None = None) -> int:
     """The threads a CPU engine's steps run on: `configured` (--cpu-threads), else $OMP_NUM_THREADS,
     else every CPU this process may run on (its affinity mask), as vLLM's CPU backend binds its threads.
 
@@ -50,7 +57,7 @@ def engine_threads(configured: int | None = None) -> int:
     count on whichever thread steps it."""
     if configured is not None:
         return configured
-    raw = os.environ.get(THREADS_ENV, "").split(",")[0].strip()
+    raw = (os.environ if environ is None else environ).get(THREADS_ENV, "").split(",")[0].strip()
     if raw:
         try:
             value = int(raw)

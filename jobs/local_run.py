@@ -74,11 +74,13 @@ def worker_env(environ: Mapping[str, str], num_workers: int) -> dict[str, str]:
     """The environment of a worker this process starts: this one's, less the broker setting (the
     worker gets --broker), plus this process's pid (the worker exits, handing back, if it dies). Two
     or more workers share the cores, so their OpenMP threads must not spin between parallel regions
-    (engine/openmp.py): GOMP_SPINCOUNT 0 unless the user set it."""
+    (engine/openmp.py): GOMP_SPINCOUNT 0 unless the user set it, and each steps on its share of the
+    CPUs (OMP_NUM_THREADS, unless the user set it; `--cpu-threads` wins over both)."""
     env = {k: v for k, v in environ.items() if k != BROKER_ENV}
     env[PARENT_PID_ENV] = str(os.getpid())
     if num_workers > 1:
         engine.no_spin_unless_chosen(env)
+        engine.share_cpus(env, num_workers)
     return env
 
 

@@ -130,3 +130,11 @@ def test_an_engine_steps_on_its_thread_count_whichever_thread_steps_it():
         assert {n for n, _ in seen} == {"main", "thread"} and {t for _, t in seen} == {3}, seen
     finally:
         torch.set_num_threads(before)
+
+
+def test_workers_started_together_split_the_cpus_unless_told(monkeypatch):
+    cpus = len(os.sched_getaffinity(0))
+    assert "OMP_NUM_THREADS" not in worker_env({"HOME": "/x"}, 1)  # one worker: every CPU
+    assert worker_env({"HOME": "/x"}, 2)["OMP_NUM_THREADS"] == str(max(1, cpus // 2))
+    assert worker_env({"HOME": "/x"}, 4 * cpus)["OMP_NUM_THREADS"] == "1"  # never none
+    assert worker_env({"OMP_NUM_THREADS": "3"}, 2)["OMP_NUM_THREADS"] == "3"  # the user's stays
