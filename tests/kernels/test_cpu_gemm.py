@@ -195,7 +195,7 @@ def test_packing_summary_says_when_bf16_panels_run_on_amx(monkeypatch):
     _skip_without_panels(torch.bfloat16)
     monkeypatch.setattr(cpu_gemm, "amx_in_use", lambda: True)
     model = Transformer(PRESETS["tiny"]).eval().to(torch.bfloat16)
-    assert model.pack_weights()
+    model.pack_weights()  # the 259-row head: oneDNN where it packs bf16, else plain
     assert cpu_gemm.packing_summary(model).startswith("panel GEMM 8 (AMX tiles, SiLU fused into 2)")
 
 
