@@ -1,5 +1,5 @@
 """The projections' GEMM: the torch reference (`F.linear`) and the cpu-native ones over weights packed
-once: batchgen's own kernel (kernels/csrc/cpu_gemm.h, AVX-512 or AVX2) over panels of 64 output
+once: batchgen's own kernel (kernels/csrc/gemm.c, AVX-512 or AVX2) over panels of 64 output
 columns, or oneDNN over its blocked layout where that kernel has no code.
 
 Stock `F.linear` on a CPU build of torch runs fp32 through MKL, which on non-Intel x86 (this
@@ -39,10 +39,10 @@ from torch import nn
 
 from kernels import cpu_features, cpu_native, options
 
-PANEL = 64  # output columns a panel (GEMM_NR in csrc/cpu_gemm.h)
+PANEL = 64  # output columns a panel (GEMM_NR in csrc/kernels.h)
 PACK_BATCH_HINT = 128  # oneDNN picks its blocking for this many rows; measured good from M=8 to 2048
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-EPI_SILU, EPI_F32_OUT = 1, 2  # the panel kernel's epilogues (GEMM_SILU, GEMM_F32_OUT in csrc/cpu_gemm.h)
+EPI_SILU, EPI_F32_OUT = 1, 2  # the panel kernel's epilogues (GEMM_SILU, GEMM_F32_OUT in csrc/kernels.h)
 # A prefill's plain products (no SiLU, residual or fp32 logits) from this many rows go through torch.mm
 # on the panels unpacked for the call, where unpack_rows() says that is faster on this CPU.
 # KernelOptions(prefill_unpack=False) keeps the panels at every row count.
@@ -237,7 +237,7 @@ _argmax_scratch = torch.empty(0)  # argmax_panels' chunks of products, kept (a f
 
 def argmax_chunk_cols(rows: int) -> int:
     """Columns of the product a thread of argmax_panels makes and folds at a time for `rows` rows
-    (csrc/cpu_kernels.c: about 256 KiB of fp32 products, at least one panel)."""
+    (csrc/gemm.c: about 256 KiB of fp32 products, at least one panel)."""
     return cpu_native.library().argmax_scratch_floats(rows) // rows
 
 

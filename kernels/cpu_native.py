@@ -8,7 +8,7 @@ reads keys and values in place from the block-paged cache instead of gathering t
 ~16% of a decode step on 2 cores), the elementwise ops of a layer (RMSNorm with the residual add,
 rotary, SiLU-and-mul), each one pass instead of several torch ops and their temporaries, the KV
 store, the sampler's row-wise argmax and the projections' GEMM over weights packed in panels of 64
-columns (csrc/cpu_gemm.h; kernels/cpu_gemm.py packs them). Threads come from torch's own OpenMP pool.
+columns (csrc/gemm.c; kernels/cpu_gemm.py packs them). Threads come from torch's own OpenMP pool.
 The library is built per ISA variant (VARIANTS: avx2, avx512, avx512bf16, amx), each with explicit
 target flags, and a process loads the best its CPU executes (use() picks another it executes).
 When no compiler is found or the build fails, `load()` returns None, says why once in the log and
@@ -34,9 +34,12 @@ from kernels import cpu_features, options
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-# included by SOURCE: part of the build's key
-HEADERS = [SOURCE.with_name(name) for name in ("cpu_kernels_typed.h", "cpu_gemm.h", "cpu_decode.h")]
+CSRC = Path(__file__).with_name("csrc")
+# the library's units, each compiled alone (tests/kernels/test_c_units.py), linked into one .so
+UNITS = [CSRC / name for name in ("common.c", "attention.c", "norms_rotary.c", "gemm.c", "decode_layers.c")]
+# included by the units (isa.h: the ISA helpers; kernels.h: what the units call in one another): part
+# of the build's key
+HEADERS = [CSRC / name for name in ("isa.h", "kernels.h")]
 # the storage types the typed kernels are built for, and their functions' name suffixes
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # -fassociative-math lets the compiler vectorise the dot-product reductions; no -ffinite-math-only.
@@ -143,11 +146,15 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
 
 
-def build(cc: str, out_dir: Path, flags: list[str] | None = None) -> Path:
-    """Compile SOURCE into out_dir (named by a hash of source, flags and CPU); returns the .so path.
-    The file appears atomically, and a lock file makes concurrent builders of one key wait for the first."""
+def build(cc: str, out_dir: Path, flags: list[str] | None = None, units: list[Path] | None = None,
+          headers: list[Path] | None = None) -> Path:
+    """Compile the units (UNITS) into one library in out_dir, named by a hash of the units and headers
+    (HEADERS), the flags and the CPU; returns the .so path. The file appears atomically, and a lock
+    file makes concurrent builders of one key wait for the first."""
     flags = cflags(NATIVE) if flags is None else flags
-    source = b"".join(path.read_bytes() for path in [SOURCE, *HEADERS])
+    units = UNITS if units is None else units
+    headers = HEADERS if headers is None else headers
+    source = b"".join(path.name.encode() + b"\0" + path.read_bytes() for path in [*units, *headers])
     key = hashlib.sha256(b"\0".join([source, " ".join([cc, *flags]).encode(),
                                      _cpu_signature().encode()])).hexdigest()[:16]
     target = out_dir / f"cpu_kernels-{key}.so"
@@ -163,10 +170,11 @@ def build(cc: str, out_dir: Path, flags: list[str] | None = None) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+            proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, units), "-lm"], capture_output=True,
                                   text=True, timeout=BUILD_TIMEOUT_S)
             if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed on {SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+                names = ", ".join(path.name for path in units)
+                raise RuntimeError(f"{cc} failed on {names}: {proc.stderr.strip()[-2000:]}")
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
@@ -215,6 +223,33 @@ def _open(cc: str) -> tuple[ctypes.CDLL, str]:
     raise first
 
 
+def bind(lib: ctypes.CDLL) -> None:
+    """Set the argument and result types of the library's exported functions."""
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    typed = {
+        "paged_decode_attention": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
+                                                  i64, i32, i32, i32, i32, f32, i32]),
+        "paged_prefill_attention": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
+                                                   i64, i32, i32, i32, i32, f32, i32]),
+        "rms_norm": (None, [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]),
+        "rotary": (i64, [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, i64, i64, i64, i32]),
+        "silu_and_mul": (None, [ptr, i64, ptr, i64, i64, i32]),
+        "gemm": (i32, [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i32, i32]),
+        "gemm_argmax": (i32, [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i32]),
+    }
+    signatures = {f"{name}_{sfx}": sig for name, sig in typed.items() for sfx in SUFFIXES.values()}
+    signatures["store_kv_cache"] = (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64])
+    signatures["argmax_rows_f32"] = (None, [ptr, i64, i64, i64, ptr, i32])
+    signatures["argmax_scratch_floats"] = (i64, [i64])
+    signatures["cpu_kernels_features"] = (i32, [])
+    signatures["batchgen_amx"] = (i32, [i32])
+    signatures["batchgen_attention_stream"] = (i32, [i32])
+    signatures["batchgen_prefill_threads"] = (i32, [])
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled library, building it on first use; None (once logged) when unavailable."""
     global _lib, _tried, _why_not, _variant, _stream_default
@@ -230,29 +265,7 @@ def load() -> ctypes.CDLL | None:
         except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
             _why_not = str(exc)
         else:
-            i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-            typed = {
-                "paged_decode_attention": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr,
-                                                          i64, i32, i32, i32, i32, f32, i32]),
-                "paged_prefill_attention": (ctypes.c_int, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr,
-                                                           i64, i32, i32, i32, i32, f32, i32]),
-                "rms_norm": (None, [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, f32, i32]),
-                "rotary": (i64, [ptr, ptr, i64, i64, i32, ptr, i64, i64, i32, ptr, i64, i64, i64, i32]),
-                "silu_and_mul": (None, [ptr, i64, ptr, i64, i64, i32]),
-                "gemm": (i32, [ptr, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, i32, i32]),
-                "gemm_argmax": (i32, [ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i32]),
-            }
-            signatures = {f"{name}_{sfx}": sig for name, sig in typed.items() for sfx in SUFFIXES.values()}
-            signatures["store_kv_cache"] = (i64, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64])
-            signatures["argmax_rows_f32"] = (None, [ptr, i64, i64, i64, ptr, i32])
-            signatures["argmax_scratch_floats"] = (i64, [i64])
-            signatures["cpu_kernels_features"] = (i32, [])
-            signatures["batchgen_amx"] = (i32, [i32])
-            signatures["batchgen_attention_stream"] = (i32, [i32])
-            signatures["batchgen_prefill_threads"] = (i32, [])
-            for name, (restype, argtypes) in signatures.items():
-                fn = getattr(lib, name)
-                fn.restype, fn.argtypes = restype, argtypes
+            bind(lib)
             _stream_default = lib.batchgen_attention_stream(-1)
             _lib, _variant = lib, chosen
             apply_options()  # AMX off from the start, not only once amx() is asked
@@ -262,7 +275,7 @@ def load() -> ctypes.CDLL | None:
 
 
 FEATURE_AVX512, FEATURE_AVX2, FEATURE_DP_BF16 = 1, 2, 4  # cpu_kernels_features() bits: the ISA
-FEATURE_GEMM_F32, FEATURE_GEMM_BF16 = 8, 16  # ... and the dtypes its panel GEMM (csrc/cpu_gemm.h) takes
+FEATURE_GEMM_F32, FEATURE_GEMM_BF16 = 8, 16  # ... and the dtypes its panel GEMM (csrc/gemm.c) takes
 
 
 _stream_default = 1  # the library's own choice of the L2 stream, read when it loads
@@ -279,7 +292,7 @@ def apply_options() -> None:
 
 
 def attention_stream() -> bool:
-    """Whether decode attention runs its own L2 prefetch stream (csrc/cpu_kernels.c): the library's
+    """Whether decode attention runs its own L2 prefetch stream (csrc/attention.c): the library's
     choice, unless KernelOptions.attn_stream says otherwise."""
     lib = load()
     return lib is not None and bool(lib.batchgen_attention_stream(-1))

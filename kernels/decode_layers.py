@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one native call (csrc/cpu_decode.h).
+"""A decode step's decoder layers in one native call (csrc/decode_layers.c).
 
 engine/model.py's layers call kernels.ops once per op: nine calls a layer, each with its checks,
 output allocations and ctypes' argument conversion. For a decode-only step on the CPU whose
@@ -40,7 +40,8 @@ class _Step(ctypes.Structure):
                 + [(name, ctypes.c_void_p) for name in _PTRS])
 
 
-ERRORS = {1: "gemm", 2: "rotary", 3: "store_kv_cache", 4: "paged_attention"}  # cpu_decode.h's DECODE_ERR_*
+# csrc/decode_layers.c's DECODE_ERR_*
+ERRORS = {1: "gemm", 2: "rotary", 3: "store_kv_cache", 4: "paged_attention"}
 
 
 def enabled() -> bool:

@@ -1,4 +1,4 @@
-"""The packed fp32/bf16 GEMMs (kernels/cpu_gemm.py): batchgen's panel kernel (csrc/cpu_gemm.h) and
+"""The packed fp32/bf16 GEMMs (kernels/cpu_gemm.py): batchgen's panel kernel (csrc/gemm.c) and
 oneDNN's, packed in place, and the model's use of them through kernels.ops."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A decode step's layers in one native call (kernels/decode_layers.py, csrc/cpu_decode.h): the same
+"""A decode step's layers in one native call (kernels/decode_layers.py, csrc/decode_layers.c): the same
 results, bit for bit, as the per-op path; every step it does not take falls back to that path."""
 
 from __future__ import annotations

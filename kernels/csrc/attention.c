@@ -1,62 +1,141 @@
-/* The typed kernels, included once per storage type by cpu_kernels.c with these defined:
- *   T            the element type in memory (float, or uint16_t holding bf16 bits)
- *   SFX          the name suffix (f32, bf16): paged_decode_attention_SFX, ...
- *   LD(p)        *p as a float;            ST(p, x)     *p = x rounded to T
- *   VLD(p)       16 elements as a __m512;  VST(p, v)    16 floats rounded to T
- *   VLDM(m, p)   masked load (0 elsewhere); VSTM(p, m, v) masked store
- *   VROUND(v)    v rounded to T and back (identity for f32)
- *   VLD2(p, a, b) 32 elements as two __m512 in "pair order"; VST2(p, a, b) stores them back. The
- *                order is what converts fastest (bf16: evens, then odds; f32: as in memory), and
- *                dot products and element-wise sums do not care which it is.
- *   DP_BF16      1 where keys are bf16 and the CPU has vdpbf16ps, which multiplies raw bf16 pairs
- * Arithmetic is fp32 throughout; only loads and stores know T. VLD/VST/VROUND take VW lanes (16 with
- * AVX-512, 8 with AVX2; vf, VADD, ... in cpu_kernels.c); VLD2/VST2 and DP_BF16 exist with AVX-512.
- */
+/* Attention over the block-paged KV cache, for fp32 and bf16 tensors (fp32 arithmetic either way;
+ * isa.h says how one body serves both), and the KV-cache store.
+ *
+ * Paged decode attention: one query token per sequence reads its keys and values in place from
+ * the block-paged cache (no gather copy), GQA-aware, split over threads. The torch reference
+ * (kernels/attention_decode.py) is the specification it is tested against.
+ *
+ * Work item (s, h): the G = Hq / Hkv query heads of KV head h of sequence s. For each item:
+ *   pass 1  scores[g, t] = scale * q_g . k_t          (each key read once for all G heads)
+ *   pass 2  p[g, t] = exp(scores[g, t] - max_t), l_g = sum_t p[g, t]
+ *   pass 3  out_g = (sum_t p[g, t] v_t) / l_g          (each value read once for all G heads)
+ * Each OpenMP thread takes a contiguous run of items of about equal total context, so it knows its
+ * next item and asks for that item's keys (values) while it reads this one's: the decode step's KV
+ * comes from DRAM (every layer's cache is far larger than L3), and latency, not bandwidth, was what
+ * bounded the kernel. With AVX-512 and G <= 8, head_dim in {32, 64, 128} (AVX2: G <= 8, head_dim in
+ * {32, 64, 128} too, 8 lanes at a time), a specialised version keeps queries and accumulators in
+ * registers and computes the softmax's exponentials a vector at a time.
+ *
+ * Paged prefill attention (bf16 with AVX512-BF16, optionally AMX tiles): paged_prefill_attention's
+ * comment, below. */
+#include "kernels.h"
 
-#define FN(name) CAT(name, SFX)
-#define PROBLEM FN(Problem)
+enum {
+    L2_AHEAD = 2,                    /* blocks */
+    STREAM_LEAD_BYTES = 128 << 10,   /* how far a thread's L2 stream runs ahead (2 AMX Xeon cores: 128-192 KiB best) */
+    PREFILL_TILE = 16,               /* paged_prefill_attention's work item: query tokens */
+    PREFILL_AMX_MIN_Q = 16,          /* query tokens from which a prefill chunk's attention runs on AMX tiles */
+};
+
+/* Whether decode attention runs its L2 stream: on, unless batchgen_attention_stream() was told
+ * otherwise (BATCHGEN_ATTN_STREAM). Its first form asked for a whole block at a time; on Intel that
+ * burst of prefetches stalled the arithmetic queued behind it and it cost 3-24% on a 2-core AMX Xeon,
+ * so it ran on AMD only. Spread a line or two per key and value read, it overlaps DRAM with compute
+ * there too (128 sequences x 160-300 tokens, 30 layers: 36.8 against 42.0 ms; 64 x ~262: 20.2
+ * against 24.2; 16 x ~1024: level). */
+static int attn_stream = 1;
+
+static int attention_stream_on(void) { return attn_stream; }
+
+/* on 1 or 0 sets it, -1 only asks; returns whether the stream runs. */
+int batchgen_attention_stream(int on) {
+    if (on >= 0) attn_stream = on ? 1 : 0;
+    return attention_stream_on();
+}
+
+/* The threads that ran the last prefill attention call (paged_prefill_attention), for a test: its
+ * parallel region once counted only the vector kernel's work items, so a prefill whose every
+ * sequence took AMX tiles ran on one thread (8192-token bf16 prefill steps 1.14-1.23 against
+ * 1.03-1.09 s on both). */
+static int prefill_team = 0;
+
+int batchgen_prefill_threads(void) { return prefill_team; }
+
+/* key/value (T, Hkv, D) rows (token strides given in bytes, heads and dims contiguous) into the
+ * caches' flat slots (num_slots, Hkv, D) of row_bytes each, any element type; slot -1 skips the
+ * token. Returns the first out-of-range slot's token + 1, or 0. */
+int64_t store_kv_cache(const char *key, int64_t key_stride, const char *value, int64_t value_stride,
+                       char *k_cache, char *v_cache, const int64_t *slot_mapping, int64_t rows,
+                       int64_t row_bytes, int64_t num_slots) {
+    for (int64_t t = 0; t < rows; t++) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;
+        if (slot >= num_slots) return t + 1;
+        memcpy(k_cache + slot * row_bytes, key + t * key_stride, (size_t)row_bytes);
+        memcpy(v_cache + slot * row_bytes, value + t * value_stride, (size_t)row_bytes);
+    }
+    return 0;
+}
+
+/* Thread t of n takes work items [first_item_of(t), first_item_of(t + 1)): contiguous runs of about
+ * equal cost, an item (s, h) costing its context plus a fixed part. Contiguous, so that a thread
+ * knows its next item; balanced, since contexts differ (a static schedule of counts would not be). */
+static int64_t first_item_of(const int32_t *context_lens, int hkv, int64_t items, int t, int n) {
+    if (t <= 0) return 0;
+    if (t >= n) return items;
+    int64_t total = 0;
+    for (int64_t it = 0; it < items; it++) total += context_lens[it / hkv] + 32;
+    const int64_t target = total * t / n;
+    int64_t before = 0, it = 0;
+    for (; it < items && before < target; it++) before += context_lens[it / hkv] + 32;
+    return it;
+}
+
+/* ---- paged decode attention ---- */
 
 typedef struct {
-    const T *q;
+    const void *q;
     int64_t q_seq_stride, q_head_stride;
-    const T *k_cache, *v_cache;
+    const void *k_cache, *v_cache;
     const int32_t *block_tables;
     int64_t block_table_stride;
     const int32_t *context_lens;
-    T *out;
+    void *out;
     int num_q_heads, num_kv_heads, head_dim, block_size;
     float scale;
-} PROBLEM;
+} Problem;
 
-/* A work item's locals: its sequence s and KV head h, context length, block table, the elements
- * between consecutive tokens of a block, and its G output rows (contiguous); G defined before. */
-#define ITEM_LOCALS(D_)                                                         \
-    const int hkv = p->num_kv_heads, D = (D_), B = p->block_size;               \
-    const int64_t s = item / hkv;                                               \
-    const int h = (int)(item % hkv);                                            \
-    const int ctx = p->context_lens[s];                                         \
-    const int32_t *table = p->block_tables + s * p->block_table_stride;         \
-    const int64_t token_stride = (int64_t)hkv * D;                              \
-    T *out = p->out + (s * p->num_q_heads + (int64_t)h * G) * D;
+/* A work item's sequence s and KV head h, context length, block table, the elements between
+ * consecutive tokens of a block, and its G output rows of D (contiguous). */
+typedef struct {
+    int64_t s;
+    int h, ctx;
+    const int32_t *table;
+    int64_t token_stride;
+    void *out;
+} Item;
 
-static void FN(attend_item)(const PROBLEM *p, int64_t item, float *scores, float *qs) {
+ALWAYS_INLINE Item item_at(const Problem *p, int64_t item, int G, int D, const int dt) {
+    const int hkv = p->num_kv_heads;
+    const int64_t s = item / hkv;
+    const int h = (int)(item % hkv);
+    return (Item){s, h, p->context_lens[s], p->block_tables + s * p->block_table_stride, (int64_t)hkv * D,
+                  elem_w(p->out, (s * p->num_q_heads + (int64_t)h * G) * D, dt)};
+}
+
+/* Any item, scalar (the specialised kernels below take the common shapes). */
+ALWAYS_INLINE void attend_item(const Problem *p, int64_t item, float *scores, float *qs, const int dt) {
     const int G = p->num_q_heads / p->num_kv_heads;
-    ITEM_LOCALS(p->head_dim)
-    float *acc = qs + (size_t)G * D;                                /* G fp32 output rows */
+    const int hkv = p->num_kv_heads, D = p->head_dim, B = p->block_size;
+    const Item I = item_at(p, item, G, D, dt);
+    const int64_t s = I.s, token_stride = I.token_stride;
+    const int h = I.h, ctx = I.ctx;
+    const int32_t *table = I.table;
+    float *acc = qs + (size_t)G * D; /* G fp32 output rows */
 
     for (int g = 0; g < G; g++) { /* scaled copy of the G query rows, contiguous */
-        const T *src = p->q + s * p->q_seq_stride + (int64_t)(h * G + g) * p->q_head_stride;
-        for (int d = 0; d < D; d++) qs[g * D + d] = LD(src + d) * p->scale;
+        const void *src = elem(p->q, s * p->q_seq_stride + (int64_t)(h * G + g) * p->q_head_stride, dt);
+        for (int d = 0; d < D; d++) qs[g * D + d] = ld(src, d, dt) * p->scale;
     }
     /* pass 1: scores, block by block */
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *k = p->k_cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
-        for (int i = 0; i < n; i++, k += token_stride) {
+        const void *k = elem(p->k_cache, ((int64_t)table[t0 / B] * B * hkv + h) * D, dt);
+        for (int i = 0; i < n; i++, k = elem(k, token_stride, dt)) {
             for (int g = 0; g < G; g++) {
                 const float *qg = qs + g * D;
                 float dot = 0.0f;
-                for (int d = 0; d < D; d++) dot += qg[d] * LD(k + d);
+                for (int d = 0; d < D; d++) dot += qg[d] * ld(k, d, dt);
                 scores[(int64_t)g * ctx + t0 + i] = dot;
             }
         }
@@ -78,30 +157,42 @@ static void FN(attend_item)(const PROBLEM *p, int64_t item, float *scores, float
     /* pass 3: weighted sum of values */
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *v = p->v_cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
-        for (int i = 0; i < n; i++, v += token_stride) {
+        const void *v = elem(p->v_cache, ((int64_t)table[t0 / B] * B * hkv + h) * D, dt);
+        for (int i = 0; i < n; i++, v = elem(v, token_stride, dt)) {
             for (int g = 0; g < G; g++) {
                 const float w = scores[(int64_t)g * ctx + t0 + i];
                 float *ag = acc + g * D;
-                for (int d = 0; d < D; d++) ag[d] += w * LD(v + d);
+                for (int d = 0; d < D; d++) ag[d] += w * ld(v, d, dt);
             }
         }
     }
     for (int g = 0; g < G; g++)
-        for (int d = 0; d < D; d++) ST(out + g * D + d, acc[g * D + d] * inv_sum[g]);
+        for (int d = 0; d < D; d++) st(I.out, g * D + d, acc[g * D + d] * inv_sum[g], dt);
 }
 
 #if HAVE_SIMD
+/* Ask for the cache lines of n rows of row_bytes each, stride apart (a KV block's rows of one head). */
+static inline void prefetch_rows(const void *base, int n, int64_t stride, int row_bytes) {
+    const char *row = (const char *)base;
+    for (int i = 0; i < n; i++, row += stride)
+        for (int b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+}
+
+/* Ask for n contiguous bytes into L2 (a KV block's rows of every head). */
+static inline void prefetch_bytes_l2(const void *base, int64_t n) {
+    for (int64_t b = 0; b < n; b += 64) _mm_prefetch((const char *)base + b, _MM_HINT_T1);
+}
+
 /* A thread's L2 prefetch stream: the KV blocks (every head's rows) of its sequences, in the order it
  * first reads them (a sequence's K blocks, then its V blocks, then the next sequence), kept ahead of
  * the reads by a steady rate. A thread takes all KV heads of a sequence in a row, and the first head
  * brings the whole rows in; without the stream, no DRAM request went out while the later heads read
  * L2, and DRAM time added to compute time instead of overlapping it. The stream starts
- * STREAM_LEAD_BYTES ahead and then asks for D * sizeof(T) / 64 lines with every key or value row a
+ * STREAM_LEAD_BYTES ahead and then asks for D * dt_size(dt) / 64 lines with every key or value row a
  * head reads (stream_step), a sequence's worth per sequence, so the lead stays put. A sequence whose
  * first block is the previous one's (a shared prefix) streams only the blocks past what that one streamed. */
 typedef struct {
-    const PROBLEM *p;
+    const Problem *p;
     int64_t seq, end_seq; /* the sequence being streamed; one past the thread's last */
     int kv, block, first_block, nblocks;
     int32_t prev_first;
@@ -109,11 +200,11 @@ typedef struct {
     int off; /* the stream switched off (batchgen_attention_stream): block_rows asks only for L1 */
     const char *line; /* the next line to ask for, in the block being streamed, and bytes left there */
     int64_t left;
-} FN(Stream);
+} Stream;
 
-static void FN(stream_enter)(FN(Stream) *st) {
+static void stream_enter(Stream *st) {
     if (st->seq >= st->end_seq) return;
-    const PROBLEM *p = st->p;
+    const Problem *p = st->p;
     const int32_t *table = p->block_tables + st->seq * p->block_table_stride;
     st->nblocks = (p->context_lens[st->seq] + p->block_size - 1) / p->block_size;
     st->first_block = st->nblocks > 0 && st->prev_nblocks > 0 && table[0] == st->prev_first ? st->prev_nblocks - 1 : 0;
@@ -124,10 +215,10 @@ static void FN(stream_enter)(FN(Stream) *st) {
 /* Ask for the stream's next n cache lines into L2: one or two at a time between the reads, not a block
  * in a burst (a burst of prefetches fills the line buffers and stalls the arithmetic behind it, so DRAM
  * time added to compute time instead of overlapping it). */
-static void FN(stream_lines)(FN(Stream) *st, int n) {
-    const PROBLEM *p = st->p;
+static void stream_lines(Stream *st, int n, int dt) {
+    const Problem *p = st->p;
     const int B = p->block_size;
-    const int64_t token_bytes = (int64_t)p->num_kv_heads * p->head_dim * (int64_t)sizeof(T);
+    const int64_t token_bytes = (int64_t)p->num_kv_heads * p->head_dim * dt_size(dt);
     while (n > 0) {
         if (st->left > 0) {
             _mm_prefetch(st->line, _MM_HINT_T1);
@@ -150,65 +241,68 @@ static void FN(stream_lines)(FN(Stream) *st, int n) {
                     st->prev_nblocks = st->nblocks;
                 }
                 st->seq++;
-                FN(stream_enter)(st);
+                stream_enter(st);
             }
             continue;
         }
         const int ctx = p->context_lens[st->seq];
         const int32_t blk = p->block_tables[st->seq * p->block_table_stride + st->block];
         const int tokens = ctx - st->block * B < B ? ctx - st->block * B : B;
-        st->line = (const char *)((st->kv ? p->v_cache : p->k_cache) + (int64_t)blk * B * p->num_kv_heads * p->head_dim);
+        st->line = (const char *)elem(st->kv ? p->v_cache : p->k_cache,
+                                      (int64_t)blk * B * p->num_kv_heads * p->head_dim, dt);
         st->left = tokens * token_bytes;
         st->block++;
     }
 }
 
 /* The stream's share of one key's or value's read: n lines (the thread's K and V bytes over the reads it makes). */
-static inline __attribute__((always_inline)) void FN(stream_step)(FN(Stream) *st, int n) {
+ALWAYS_INLINE void stream_step(Stream *st, int n, const int dt) {
     if (st->off) return;
     if (st->left >= 64 * (int64_t)n) {
         for (int i = 0; i < n; i++) _mm_prefetch(st->line + 64 * i, _MM_HINT_T1);
         st->line += 64 * n;
         st->left -= 64 * (int64_t)n;
     } else {
-        FN(stream_lines)(st, n);
+        stream_lines(st, n, dt);
     }
 }
 
-static void FN(stream_start)(FN(Stream) *st, const PROBLEM *p, int64_t first_seq, int64_t end_seq, int on) {
-    *st = (FN(Stream)){p, first_seq, end_seq, 0, 0, 0, 0, -1, 0, !on, NULL, 0};
+static void stream_start(Stream *st, const Problem *p, int64_t first_seq, int64_t end_seq, int on, int dt) {
+    *st = (Stream){p, first_seq, end_seq, 0, 0, 0, 0, -1, 0, !on, NULL, 0};
     if (first_seq >= end_seq || !on) return;
-    FN(stream_enter)(st);
-    FN(stream_lines)(st, STREAM_LEAD_BYTES / 64);
+    stream_enter(st);
+    stream_lines(st, STREAM_LEAD_BYTES / 64, dt);
 }
 
 /* The rows of KV head h in the cache block that holds token t0 (token_stride apart), after asking for
  * the next block's rows into L1, if the context goes on (blocks lie anywhere in the cache), and
  * moving the thread's L2 stream on. Where the stream has nothing (a sequence whose heads are split
  * between threads, as a lone long one is), head 0 asks for the whole rows L2_AHEAD blocks on. */
-static inline const T *FN(block_rows)(FN(Stream) *st, const T *cache, const int32_t *table, int t0, int ctx,
-                                      int B, int hkv, int h, int D) {
-    const int64_t token_bytes = (int64_t)hkv * D * (int64_t)sizeof(T);
+ALWAYS_INLINE const void *block_rows(Stream *st, const void *cache, const int32_t *table, int t0, int ctx, int B,
+                                     int hkv, int h, int D, const int dt) {
+    const int64_t token_bytes = (int64_t)hkv * D * dt_size(dt);
     const int ahead = t0 + L2_AHEAD * B;
     if (h == 0 && st->seq >= st->end_seq && ahead < ctx) /* a sequence the stream does not take */
-        prefetch_bytes_l2(cache + (int64_t)table[ahead / B] * B * hkv * D, (ctx - ahead < B ? ctx - ahead : B) * token_bytes);
+        prefetch_bytes_l2(elem(cache, (int64_t)table[ahead / B] * B * hkv * D, dt),
+                          (ctx - ahead < B ? ctx - ahead : B) * token_bytes);
     if (t0 + B < ctx)
-        prefetch_rows(cache + ((int64_t)table[t0 / B + 1] * B * hkv + h) * D, ctx - t0 - B < B ? ctx - t0 - B : B,
-                      token_bytes, D * (int)sizeof(T));
-    return cache + ((int64_t)table[t0 / B] * B * hkv + h) * D;
+        prefetch_rows(elem(cache, ((int64_t)table[t0 / B + 1] * B * hkv + h) * D, dt),
+                      ctx - t0 - B < B ? ctx - t0 - B : B, token_bytes, D * (int)dt_size(dt));
+    return elem(cache, ((int64_t)table[t0 / B] * B * hkv + h) * D, dt);
 }
 
 /* Ask for the rows of blocks [j0, j1) of work item `item` (none when it is -1) in cache (keys or
  * values), clipped to its context: the thread's next item, while it reads this one. */
-static inline void FN(prefetch_item_blocks)(const PROBLEM *p, const T *cache, int64_t item, int j0, int j1) {
+ALWAYS_INLINE void prefetch_item_blocks(const Problem *p, const void *cache, int64_t item, int j0, int j1,
+                                        const int dt) {
     if (item < 0) return;
     const int hkv = p->num_kv_heads, D = p->head_dim, B = p->block_size;
     const int64_t s = item / hkv;
     const int h = (int)(item % hkv), ctx = p->context_lens[s];
     const int32_t *table = p->block_tables + s * p->block_table_stride;
     for (int j = j0; j < j1 && j * B < ctx; j++)
-        prefetch_rows(cache + ((int64_t)table[j] * B * hkv + h) * D, ctx - j * B < B ? ctx - j * B : B,
-                      (int64_t)hkv * D * (int64_t)sizeof(T), D * (int)sizeof(T));
+        prefetch_rows(elem(cache, ((int64_t)table[j] * B * hkv + h) * D, dt), ctx - j * B < B ? ctx - j * B : B,
+                      (int64_t)hkv * D * dt_size(dt), D * (int)dt_size(dt));
 }
 #endif
 
@@ -218,53 +312,61 @@ static inline void FN(prefetch_item_blocks)(const PROBLEM *p, const T *cache, in
  * a time: each key's G partial-product vectors go to dots, then one transposing reduction per query
  * head sums all 16 (sum16), a third of the work of 16 separate horizontal sums. While a block is
  * read, the next block's rows of this KV head are prefetched (blocks lie anywhere in the cache), and
- * the same block of the thread's next item. */
-static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const PROBLEM *p, FN(Stream) *st,
-                                                                         int64_t item, int64_t next, float *scores,
-                                                                         const int G, const int C) {
-    ITEM_LOCALS(16 * C)
-    const int lps = D * (int)sizeof(T) / 64 > 0 ? D * (int)sizeof(T) / 64 : 1; /* stream lines a read */
+ * the same block of the thread's next item. bf16 keys on a CPU with AVX512-BF16 multiply as raw
+ * pairs (vdpbf16ps). */
+ALWAYS_INLINE void attend_item_simd(const Problem *p, Stream *st, int64_t item, int64_t next, float *scores,
+                                    const int G, const int C, const int dt) {
+    const int hkv = p->num_kv_heads, D = 16 * C, B = p->block_size;
+    const Item I = item_at(p, item, G, D, dt);
+    const int64_t s = I.s, token_stride = I.token_stride;
+    const int h = I.h, ctx = I.ctx;
+    const int32_t *table = I.table;
+    const int lps = D * (int)dt_size(dt) / 64 > 0 ? D * (int)dt_size(dt) / 64 : 1; /* stream lines a read */
     __m512 acc[8][8], dots[8][16];
     const __m512 scale = _mm512_set1_ps(p->scale);
-#if DP_BF16
-    __m512bh qb[8][4]; /* raw bf16 query pairs */
-    for (int g = 0; g < G; g++) {
-        const T *src = p->q + s * p->q_seq_stride + (int64_t)(h * G + g) * p->q_head_stride;
-        for (int c = 0; c < C / 2; c++) qb[g][c] = (__m512bh)_mm512_loadu_si512(src + 32 * c);
-    }
-#else
+#if defined(__AVX512BF16__)
+    const int dp_bf16 = dt == BF16; /* keys and queries multiplied as raw bf16 pairs */
+    __m512bh qb[8][4];
+#endif
     __m512 qv[8][8];
     for (int g = 0; g < G; g++) {
-        const T *src = p->q + s * p->q_seq_stride + (int64_t)(h * G + g) * p->q_head_stride;
-        for (int c = 0; c < C / 2; c++) VLD2(src + 32 * c, qv[g][2 * c], qv[g][2 * c + 1]);
-    }
+        const void *src = elem(p->q, s * p->q_seq_stride + (int64_t)(h * G + g) * p->q_head_stride, dt);
+#if defined(__AVX512BF16__)
+        if (dp_bf16) {
+            for (int c = 0; c < C / 2; c++) qb[g][c] = (__m512bh)_mm512_loadu_si512(elem(src, 32 * c, dt));
+            continue;
+        }
 #endif
+        for (int c = 0; c < C / 2; c++) vld2(src, 32 * c, &qv[g][2 * c], &qv[g][2 * c + 1], dt);
+    }
     /* pass 1: scores */
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *k = FN(block_rows)(st, p->k_cache, table, t0, ctx, B, hkv, h, D);
-        FN(prefetch_item_blocks)(p, p->k_cache, next, t0 / B, t0 / B + 1);
+        const void *k = block_rows(st, p->k_cache, table, t0, ctx, B, hkv, h, D, dt);
+        prefetch_item_blocks(p, p->k_cache, next, t0 / B, t0 / B + 1, dt);
         for (int i0 = 0; i0 < n; i0 += 16) {
             const int m = n - i0 < 16 ? n - i0 : 16;
-            for (int i = 0; i < m; i++, k += token_stride) {
-                FN(stream_step)(st, lps);
-#if DP_BF16
-                __m512bh kb[4];
-                for (int c = 0; c < C / 2; c++) kb[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
-                for (int g = 0; g < G; g++) {
-                    __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kb[0]);
-                    for (int c = 1; c < C / 2; c++) dot = _mm512_dpbf16_ps(dot, qb[g][c], kb[c]);
-                    dots[g][i] = dot;
+            for (int i = 0; i < m; i++, k = elem(k, token_stride, dt)) {
+                stream_step(st, lps, dt);
+#if defined(__AVX512BF16__)
+                if (dp_bf16) {
+                    __m512bh kb[4];
+                    for (int c = 0; c < C / 2; c++) kb[c] = (__m512bh)_mm512_loadu_si512(elem(k, 32 * c, dt));
+                    for (int g = 0; g < G; g++) {
+                        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], kb[0]);
+                        for (int c = 1; c < C / 2; c++) dot = _mm512_dpbf16_ps(dot, qb[g][c], kb[c]);
+                        dots[g][i] = dot;
+                    }
+                    continue;
                 }
-#else
+#endif
                 __m512 kc[8];
-                for (int c = 0; c < C / 2; c++) VLD2(k + 32 * c, kc[2 * c], kc[2 * c + 1]);
+                for (int c = 0; c < C / 2; c++) vld2(k, 32 * c, &kc[2 * c], &kc[2 * c + 1], dt);
                 for (int g = 0; g < G; g++) {
                     __m512 dot = _mm512_mul_ps(qv[g][0], kc[0]);
                     for (int c = 1; c < C; c++) dot = _mm512_fmadd_ps(qv[g][c], kc[c], dot);
                     dots[g][i] = dot;
                 }
-#endif
             }
             for (int g = 0; g < G; g++) {
                 for (int i = m; i < 16; i++) dots[g][i] = _mm512_setzero_ps();
@@ -273,7 +375,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
             }
         }
     }
-    FN(prefetch_item_blocks)(p, p->k_cache, next, (ctx + B - 1) / B, INT32_MAX); /* its longer rest */
+    prefetch_item_blocks(p, p->k_cache, next, (ctx + B - 1) / B, INT32_MAX, dt); /* its longer rest */
     /* pass 2: softmax numerators in place (16 at a time, a masked tail) */
     float inv_sum[8];
     for (int g = 0; g < G; g++) {
@@ -300,23 +402,23 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
         for (int c = 0; c < C; c++) acc[g][c] = _mm512_setzero_ps();
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *v = FN(block_rows)(st, p->v_cache, table, t0, ctx, B, hkv, h, D);
-        FN(prefetch_item_blocks)(p, p->v_cache, next, t0 / B, t0 / B + 1);
-        for (int i = 0; i < n; i++, v += token_stride) {
-            FN(stream_step)(st, lps);
+        const void *v = block_rows(st, p->v_cache, table, t0, ctx, B, hkv, h, D, dt);
+        prefetch_item_blocks(p, p->v_cache, next, t0 / B, t0 / B + 1, dt);
+        for (int i = 0; i < n; i++, v = elem(v, token_stride, dt)) {
+            stream_step(st, lps, dt);
             __m512 vc[8];
-            for (int c = 0; c < C / 2; c++) VLD2(v + 32 * c, vc[2 * c], vc[2 * c + 1]);
+            for (int c = 0; c < C / 2; c++) vld2(v, 32 * c, &vc[2 * c], &vc[2 * c + 1], dt);
             for (int g = 0; g < G; g++) {
                 const __m512 w = _mm512_set1_ps(scores[(int64_t)g * ctx + t0 + i]);
                 for (int c = 0; c < C; c++) acc[g][c] = _mm512_fmadd_ps(w, vc[c], acc[g][c]);
             }
         }
     }
-    FN(prefetch_item_blocks)(p, p->v_cache, next, (ctx + B - 1) / B, INT32_MAX);
+    prefetch_item_blocks(p, p->v_cache, next, (ctx + B - 1) / B, INT32_MAX, dt);
     for (int g = 0; g < G; g++) {
         const __m512 r = _mm512_set1_ps(inv_sum[g]);
         for (int c = 0; c < C / 2; c++)
-            VST2(out + g * D + 32 * c, _mm512_mul_ps(acc[g][2 * c], r), _mm512_mul_ps(acc[g][2 * c + 1], r));
+            vst2(I.out, g * D + 32 * c, _mm512_mul_ps(acc[g][2 * c], r), _mm512_mul_ps(acc[g][2 * c + 1], r), dt);
     }
 }
 
@@ -325,28 +427,31 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx512)(const P
  * inlining. Scores are made 8 keys at a time (each key loaded once for the G heads, one transposing
  * reduction, sum8, per head); the next block's rows are prefetched; the softmax's exponentials
  * are taken 8 at a time. */
-static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PROBLEM *p, FN(Stream) *st,
-                                                                       int64_t item, int64_t next, float *scores,
-                                                                       const int G, const int C) {
-    ITEM_LOCALS(8 * C)
-    const int lps = D * (int)sizeof(T) / 64 > 0 ? D * (int)sizeof(T) / 64 : 1; /* stream lines a read */
+ALWAYS_INLINE void attend_item_simd(const Problem *p, Stream *st, int64_t item, int64_t next, float *scores,
+                                    const int G, const int C, const int dt) {
+    const int hkv = p->num_kv_heads, D = 8 * C, B = p->block_size;
+    const Item I = item_at(p, item, G, D, dt);
+    const int64_t s = I.s, token_stride = I.token_stride;
+    const int h = I.h, ctx = I.ctx;
+    const int32_t *table = I.table;
+    const int lps = D * (int)dt_size(dt) / 64 > 0 ? D * (int)dt_size(dt) / 64 : 1; /* stream lines a read */
     const __m256 scale = _mm256_set1_ps(p->scale);
     __m256 qv[8][16], dots[8][8], acc[8][16];
     for (int g = 0; g < G; g++) {
-        const T *src = p->q + s * p->q_seq_stride + (int64_t)(h * G + g) * p->q_head_stride;
-        for (int c = 0; c < C; c++) qv[g][c] = VLD(src + 8 * c);
+        const void *src = elem(p->q, s * p->q_seq_stride + (int64_t)(h * G + g) * p->q_head_stride, dt);
+        for (int c = 0; c < C; c++) qv[g][c] = vld(src, 8 * c, dt);
     }
     /* pass 1: scores */
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *k = FN(block_rows)(st, p->k_cache, table, t0, ctx, B, hkv, h, D);
-        FN(prefetch_item_blocks)(p, p->k_cache, next, t0 / B, t0 / B + 1);
+        const void *k = block_rows(st, p->k_cache, table, t0, ctx, B, hkv, h, D, dt);
+        prefetch_item_blocks(p, p->k_cache, next, t0 / B, t0 / B + 1, dt);
         for (int i0 = 0; i0 < n; i0 += 8) {
             const int m = n - i0 < 8 ? n - i0 : 8;
-            for (int i = 0; i < m; i++, k += token_stride) {
-                FN(stream_step)(st, lps);
+            for (int i = 0; i < m; i++, k = elem(k, token_stride, dt)) {
+                stream_step(st, lps, dt);
                 __m256 kc[16];
-                for (int c = 0; c < C; c++) kc[c] = VLD(k + 8 * c);
+                for (int c = 0; c < C; c++) kc[c] = vld(k, 8 * c, dt);
                 for (int g = 0; g < G; g++) {
                     __m256 dot = _mm256_mul_ps(qv[g][0], kc[0]);
                     for (int c = 1; c < C; c++) dot = _mm256_fmadd_ps(qv[g][c], kc[c], dot);
@@ -362,7 +467,7 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
             }
         }
     }
-    FN(prefetch_item_blocks)(p, p->k_cache, next, (ctx + B - 1) / B, INT32_MAX); /* its longer rest */
+    prefetch_item_blocks(p, p->k_cache, next, (ctx + B - 1) / B, INT32_MAX, dt); /* its longer rest */
     /* pass 2: softmax numerators in place (8 at a time, the tail one by one) */
     float inv_sum[8];
     for (int g = 0; g < G; g++) {
@@ -391,69 +496,83 @@ static inline __attribute__((always_inline)) void FN(attend_item_avx2)(const PRO
         for (int c = 0; c < C; c++) acc[g][c] = _mm256_setzero_ps();
     for (int t0 = 0; t0 < ctx; t0 += B) {
         const int n = ctx - t0 < B ? ctx - t0 : B;
-        const T *v = FN(block_rows)(st, p->v_cache, table, t0, ctx, B, hkv, h, D);
-        FN(prefetch_item_blocks)(p, p->v_cache, next, t0 / B, t0 / B + 1);
-        for (int i = 0; i < n; i++, v += token_stride) {
-            FN(stream_step)(st, lps);
+        const void *v = block_rows(st, p->v_cache, table, t0, ctx, B, hkv, h, D, dt);
+        prefetch_item_blocks(p, p->v_cache, next, t0 / B, t0 / B + 1, dt);
+        for (int i = 0; i < n; i++, v = elem(v, token_stride, dt)) {
+            stream_step(st, lps, dt);
             __m256 vc[16];
-            for (int c = 0; c < C; c++) vc[c] = VLD(v + 8 * c);
+            for (int c = 0; c < C; c++) vc[c] = vld(v, 8 * c, dt);
             for (int g = 0; g < G; g++) {
                 const __m256 w = _mm256_set1_ps(scores[(int64_t)g * ctx + t0 + i]);
                 for (int c = 0; c < C; c++) acc[g][c] = _mm256_fmadd_ps(w, vc[c], acc[g][c]);
             }
         }
     }
-    FN(prefetch_item_blocks)(p, p->v_cache, next, (ctx + B - 1) / B, INT32_MAX);
+    prefetch_item_blocks(p, p->v_cache, next, (ctx + B - 1) / B, INT32_MAX, dt);
     for (int g = 0; g < G; g++) {
         const __m256 r = _mm256_set1_ps(inv_sum[g]);
-        for (int c = 0; c < C; c++) VST(out + g * D + 8 * c, _mm256_mul_ps(acc[g][c], r));
+        for (int c = 0; c < C; c++) vst(I.out, g * D + 8 * c, _mm256_mul_ps(acc[g][c], r), dt);
     }
 }
-
 #endif
 
 #if HAVE_SIMD
-#if HAVE_AVX512
-#define ATTEND_SIMD FN(attend_item_avx512)
-#else
-#define ATTEND_SIMD FN(attend_item_avx2)
-#endif
-#define SIMD_CASE(G_, D_) \
-    case (G_) * 256 + (D_) / VW: \
-        ATTEND_SIMD(p, st, item, next, scores, G_, (D_) / VW); \
-        return 1;
-
-/* 1 when a specialised kernel took the item, 0 when the generic one must. */
-static int FN(attend_item_fast)(const PROBLEM *p, FN(Stream) *st, int64_t item, int64_t next, float *scores) {
+/* 1 when a specialised kernel took the item (G <= 8 query heads a KV head, head dim 32, 64 or 128;
+ * G and head dim compile-time in each case), 0 when the generic one must. */
+ALWAYS_INLINE int attend_item_fast(const Problem *p, Stream *st, int64_t item, int64_t next, float *scores,
+                                   const int dt) {
     const int G = p->num_q_heads / p->num_kv_heads;
     if (p->head_dim % VW) return 0;
     switch (G * 256 + p->head_dim / VW) {
-        SIMD_CASE(1, 32) SIMD_CASE(2, 32) SIMD_CASE(3, 32) SIMD_CASE(4, 32)
-        SIMD_CASE(1, 64) SIMD_CASE(2, 64) SIMD_CASE(3, 64) SIMD_CASE(4, 64)
-        SIMD_CASE(5, 64) SIMD_CASE(6, 64) SIMD_CASE(7, 64) SIMD_CASE(8, 64)
-        SIMD_CASE(1, 128) SIMD_CASE(2, 128) SIMD_CASE(3, 128) SIMD_CASE(4, 128)
-        default: return 0;
+    case 1 * 256 + 32 / VW: attend_item_simd(p, st, item, next, scores, 1, 32 / VW, dt); return 1;
+    case 2 * 256 + 32 / VW: attend_item_simd(p, st, item, next, scores, 2, 32 / VW, dt); return 1;
+    case 3 * 256 + 32 / VW: attend_item_simd(p, st, item, next, scores, 3, 32 / VW, dt); return 1;
+    case 4 * 256 + 32 / VW: attend_item_simd(p, st, item, next, scores, 4, 32 / VW, dt); return 1;
+    case 1 * 256 + 64 / VW: attend_item_simd(p, st, item, next, scores, 1, 64 / VW, dt); return 1;
+    case 2 * 256 + 64 / VW: attend_item_simd(p, st, item, next, scores, 2, 64 / VW, dt); return 1;
+    case 3 * 256 + 64 / VW: attend_item_simd(p, st, item, next, scores, 3, 64 / VW, dt); return 1;
+    case 4 * 256 + 64 / VW: attend_item_simd(p, st, item, next, scores, 4, 64 / VW, dt); return 1;
+    case 5 * 256 + 64 / VW: attend_item_simd(p, st, item, next, scores, 5, 64 / VW, dt); return 1;
+    case 6 * 256 + 64 / VW: attend_item_simd(p, st, item, next, scores, 6, 64 / VW, dt); return 1;
+    case 7 * 256 + 64 / VW: attend_item_simd(p, st, item, next, scores, 7, 64 / VW, dt); return 1;
+    case 8 * 256 + 64 / VW: attend_item_simd(p, st, item, next, scores, 8, 64 / VW, dt); return 1;
+    case 1 * 256 + 128 / VW: attend_item_simd(p, st, item, next, scores, 1, 128 / VW, dt); return 1;
+    case 2 * 256 + 128 / VW: attend_item_simd(p, st, item, next, scores, 2, 128 / VW, dt); return 1;
+    case 3 * 256 + 128 / VW: attend_item_simd(p, st, item, next, scores, 3, 128 / VW, dt); return 1;
+    case 4 * 256 + 128 / VW: attend_item_simd(p, st, item, next, scores, 4, 128 / VW, dt); return 1;
+    default: return 0;
     }
 }
-#undef SIMD_CASE
-#undef ATTEND_SIMD
-#else
-static int FN(attend_item_fast)(const PROBLEM *p, void *st, int64_t item, int64_t next, float *scores) {
-    (void)p, (void)st, (void)item, (void)next, (void)scores;
-    return 0;
-}
 #endif
+
+/* One thread's work items [lo, hi) of paged_decode_attention, its L2 stream over the sequences whose
+ * every head is its own (whole rows serve only those). */
+ALWAYS_INLINE void decode_thread(const Problem *p, int64_t lo, int64_t hi, float *scores, int max_ctx,
+                                 int use_stream, const int dt) {
+    const int G = p->num_q_heads / p->num_kv_heads, hkv = p->num_kv_heads;
+#if HAVE_SIMD
+    Stream st;
+    stream_start(&st, p, (lo + hkv - 1) / hkv, hi / hkv, use_stream, dt);
+#else
+    (void)use_stream, (void)hkv;
+#endif
+    for (int64_t it = lo; it < hi && scores; it++) {
+#if HAVE_SIMD
+        if (attend_item_fast(p, &st, it, it + 1 < hi ? it + 1 : -1, scores, dt)) continue;
+#endif
+        attend_item(p, it, scores, scores + (size_t)G * max_ctx, dt);
+    }
+}
 
 /* Returns 0 on success, 1 when memory ran out, 2 for an unsupported shape (more than 64 query
  * heads per KV head). Threads come from OpenMP: linked by soname, torch's own libgomp serves, so
  * this kernel shares torch's thread pool instead of competing with it. */
-int FN(paged_decode_attention)(const T *q, int64_t q_seq_stride, int64_t q_head_stride,
-                               const T *k_cache, const T *v_cache, const int32_t *block_tables,
-                               int64_t block_table_stride, const int32_t *context_lens, T *out,
-                               int64_t num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                               int block_size, float scale, int num_threads) {
+int paged_decode_attention(const void *q, int64_t q_seq_stride, int64_t q_head_stride, const void *k_cache,
+                           const void *v_cache, const int32_t *block_tables, int64_t block_table_stride,
+                           const int32_t *context_lens, void *out, int64_t num_seqs, int num_q_heads,
+                           int num_kv_heads, int head_dim, int block_size, float scale, int num_threads, int dt) {
     if (num_q_heads / num_kv_heads > 64) return 2;
-    const PROBLEM p = {q, q_seq_stride, q_head_stride, k_cache, v_cache, block_tables,
+    const Problem p = {q, q_seq_stride, q_head_stride, k_cache, v_cache, block_tables,
                        block_table_stride, context_lens, out, num_q_heads, num_kv_heads, head_dim,
                        block_size, scale};
     const int64_t items = num_seqs * num_kv_heads;
@@ -462,9 +581,7 @@ int FN(paged_decode_attention)(const T *q, int64_t q_seq_stride, int64_t q_head_
     for (int64_t s = 0; s < num_seqs; s++) max_ctx = context_lens[s] > max_ctx ? context_lens[s] : max_ctx;
     if (num_threads < 1) num_threads = 1;
     int failed = 0;
-#if HAVE_SIMD
     const int use_stream = attention_stream_on();
-#endif
 #pragma omp parallel num_threads(num_threads) if (items > 1)
     {
         /* scores (G x max_ctx), then the generic kernel's queries and accumulators (2 x G x D) */
@@ -480,31 +597,41 @@ int FN(paged_decode_attention)(const T *q, int64_t q_seq_stride, int64_t q_head_
 #endif
         const int64_t lo = first_item_of(context_lens, num_kv_heads, items, tid, nth);
         const int64_t hi = first_item_of(context_lens, num_kv_heads, items, tid + 1, nth);
-#if HAVE_SIMD
-        FN(Stream) stream, *st = &stream;
-        /* streamed: the sequences whose every head is this thread's (whole rows serve only those) */
-        FN(stream_start)(st, &p, (lo + num_kv_heads - 1) / num_kv_heads, hi / num_kv_heads, use_stream);
-#else
-        void *st = NULL;
-#endif
-        for (int64_t it = lo; it < hi && scores; it++) {
-            if (!FN(attend_item_fast)(&p, st, it, it + 1 < hi ? it + 1 : -1, scores))
-                FN(attend_item)(&p, it, scores, scores + (size_t)G * max_ctx);
-        }
+        if (dt == BF16) decode_thread(&p, lo, hi, scores, max_ctx, use_stream, BF16);
+        else decode_thread(&p, lo, hi, scores, max_ctx, use_stream, F32);
         free(scores);
     }
     return failed;
 }
 
+int paged_decode_attention_f32(const float *q, int64_t q_seq_stride, int64_t q_head_stride, const float *k_cache,
+                               const float *v_cache, const int32_t *block_tables, int64_t block_table_stride,
+                               const int32_t *context_lens, float *out, int64_t num_seqs, int num_q_heads,
+                               int num_kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+    return paged_decode_attention(q, q_seq_stride, q_head_stride, k_cache, v_cache, block_tables, block_table_stride,
+                                  context_lens, out, num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+                                  num_threads, F32);
+}
+
+int paged_decode_attention_bf16(const uint16_t *q, int64_t q_seq_stride, int64_t q_head_stride,
+                                const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_tables,
+                                int64_t block_table_stride, const int32_t *context_lens, uint16_t *out,
+                                int64_t num_seqs, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
+                                float scale, int num_threads) {
+    return paged_decode_attention(q, q_seq_stride, q_head_stride, k_cache, v_cache, block_tables, block_table_stride,
+                                  context_lens, out, num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, scale,
+                                  num_threads, BF16);
+}
+
+/* ---- paged prefill attention (bf16 with AVX512-BF16, optionally AMX tiles) ---- */
+
 /* paged_prefill_attention's work item and its AMX form (the function's own comment, below, says how). */
-#define PREFILL_TILE 16
-#if HAVE_AVX512 && DP_BF16
+#if HAVE_AVX512 && defined(__AVX512BF16__)
 /* Keys t0 .. t0 + n - 1 (n <= 16; zeros past n) of KV head h, dims 32c .. 32c + 31, transposed into
  * kt[0 .. 15]: kt[m] holds dim pair 16c + m of the 16 keys, one key a 32-bit lane. That is a row of
  * a bf16 dot product's right-hand side in pairs (vdpbf16ps), and 16 of them are an AMX B tile. */
-static inline __attribute__((always_inline)) void FN(keys16_pairs)(const T *k_cache, const int32_t *table, int B,
-                                                                   int64_t token_stride, int h, int D, int t0,
-                                                                   int n, int c, __m512i *kt) {
+ALWAYS_INLINE void keys16_pairs(const uint16_t *k_cache, const int32_t *table, int B, int64_t token_stride,
+                                int h, int D, int t0, int n, int c, __m512i *kt) {
     __m512i r[16], a[16], b[16];
     for (int i = 0; i < 16; i++) {
         const int t = t0 + i;
@@ -538,15 +665,16 @@ static inline __attribute__((always_inline)) void FN(keys16_pairs)(const T *k_ca
  * first ..), KV head h; NP = D / 32, compile-time after inlining, so every accumulator is a register.
  * scores and probs hold RG + 8 rows of ctx_pad; rows past the tile's are scratch (their results are
  * dropped), which keeps the register blocks whole. */
-static inline __attribute__((always_inline)) void FN(prefill_tile_dp)(
-    const T *q, int64_t q_tok_stride, int64_t q_head_stride, const T *k_cache, const T *v_cache,
-    const int32_t *table, int64_t q0, int first, int nr, int h, int G, int hkv, int B, int num_q_heads,
-    float scale, T *out, float *scores, uint16_t *probs, int ctx_pad, __m512i *kt, const int NP) {
+ALWAYS_INLINE void prefill_tile_dp(const uint16_t *q, int64_t q_tok_stride, int64_t q_head_stride,
+                                   const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int64_t q0,
+                                   int first, int nr, int h, int G, int hkv, int B, int num_q_heads, float scale,
+                                   uint16_t *out, float *scores, uint16_t *probs, int ctx_pad, __m512i *kt,
+                                   const int NP) {
     const int D = 32 * NP, rows = nr * G, cmax = first + nr;
     const int64_t token_stride = (int64_t)hkv * D;
     enum { RB = 4 };                          /* pass 1 rows per register block */
     const int GROUP = 24 / (2 * NP) > 0 ? 24 / (2 * NP) : 1; /* pass 3 rows per register block */
-    const T *qrow[8 * PREFILL_TILE + 24];
+    const uint16_t *qrow[8 * PREFILL_TILE + 24];
     for (int r = 0; r < rows + 24; r++) {
         const int rr = r < rows ? r : rows - 1;
         qrow[r] = q + (q0 + rr / G) * q_tok_stride + (int64_t)(h * G + rr % G) * q_head_stride;
@@ -554,7 +682,7 @@ static inline __attribute__((always_inline)) void FN(prefill_tile_dp)(
     /* pass 1 */
     for (int t0 = 0; t0 < cmax; t0 += 16) {
         const int n = cmax - t0 < 16 ? cmax - t0 : 16;
-        for (int c = 0; c < NP; c++) FN(keys16_pairs)(k_cache, table, B, token_stride, h, D, t0, n, c, kt + 16 * c);
+        for (int c = 0; c < NP; c++) keys16_pairs(k_cache, table, B, token_stride, h, D, t0, n, c, kt + 16 * c);
         const __m512 sc = _mm512_set1_ps(scale);
         for (int r0 = 0; r0 < rows; r0 += RB) {
             __m512 acc[RB];
@@ -598,7 +726,7 @@ static inline __attribute__((always_inline)) void FN(prefill_tile_dp)(
             for (int c = 0; c < 2 * NP; c++) acc[x * 2 * NP + c] = _mm512_setzero_ps();
         }
         for (int t = 0; t < cmax; t += 2) {
-            const T *v0 = v_cache + ((int64_t)table[t / B] * B + t % B) * token_stride + (int64_t)h * D;
+            const uint16_t *v0 = v_cache + ((int64_t)table[t / B] * B + t % B) * token_stride + (int64_t)h * D;
             const int two = t + 1 < cmax;
             __m512i vp[16];
             for (int c = 0; c < NP; c++) {
@@ -617,12 +745,12 @@ static inline __attribute__((always_inline)) void FN(prefill_tile_dp)(
         }
         for (int x = 0; x < GROUP && r0 + x < rows; x++) {
             const int r = r0 + x;
-            T *o = out + ((q0 + r / G) * (int64_t)num_q_heads + h * G + r % G) * D;
+            uint16_t *o = out + ((q0 + r / G) * (int64_t)num_q_heads + h * G + r % G) * D;
             const __m512 inv = _mm512_set1_ps(inv_sum[r]);
             for (int c = 0; c < NP; c++) {
                 const __m512 lo = acc[x * 2 * NP + 2 * c], hi = acc[x * 2 * NP + 2 * c + 1];
-                VST(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, idx_lo, hi), inv));
-                VST(o + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, idx_hi, hi), inv));
+                vst_bf16(o + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(lo, idx_lo, hi), inv));
+                vst_bf16(o + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, idx_hi, hi), inv));
             }
         }
     }
@@ -630,7 +758,7 @@ static inline __attribute__((always_inline)) void FN(prefill_tile_dp)(
 #if HAVE_AMX
 /* The tile shapes of prefill_seq_amx for query tiles of nr rows: tiles 0-4 nr rows (scores and
  * outputs, queries and probabilities), 5-7 16 rows (keys and values), all 64 bytes wide. */
-static void FN(prefill_amx_configure)(int nr) {
+static void prefill_amx_configure(int nr) {
     const int rows[8] = {nr, nr, nr, nr, nr, 16, 16, 16};
     const int colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
     amx_shapes(rows, colsb);
@@ -645,17 +773,17 @@ static void FN(prefill_amx_configure)(int nr) {
  *           B tiles of (key pair, dim) (vbuf: 32 keys x 16 dims a tile)
  * Score row g * 16 + i is query token i of head h * G + g (queries of one head are q_tok_stride
  * apart, which a tile load can stride over). *cfg is the row count the tiles are configured for. */
-static void FN(prefill_seq_amx)(const T *q, int64_t q_tok_stride, int64_t q_head_stride, const T *k_cache,
-                                const T *v_cache, const int32_t *table, int64_t q_first, int q_len, int ctx,
-                                int h, int G, int hkv, int B, int D, int num_q_heads, float scale, T *out,
-                                float *scores, uint16_t *probs, int ctx_pad, __m512i *kbuf, __m512i *vbuf,
-                                int *cfg) {
+static void prefill_seq_amx(const uint16_t *q, int64_t q_tok_stride, int64_t q_head_stride,
+                            const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *table, int64_t q_first,
+                            int q_len, int ctx, int h, int G, int hkv, int B, int D, int num_q_heads, float scale,
+                            uint16_t *out, float *scores, uint16_t *probs, int ctx_pad, __m512i *kbuf,
+                            __m512i *vbuf, int *cfg) {
     const int NP = D / 32, ND = D / 16; /* 32-dim halves of a key row; 16-dim column tiles of a value */
     const int64_t token_stride = (int64_t)hkv * D;
     /* the sequence's keys as B tiles: 16 keys x NP tiles of 16 dim pairs */
     for (int t0 = 0; t0 < ctx; t0 += 16)
         for (int c = 0; c < NP; c++)
-            FN(keys16_pairs)(k_cache, table, B, token_stride, h, D, t0, ctx - t0 < 16 ? ctx - t0 : 16, c,
+            keys16_pairs(k_cache, table, B, token_stride, h, D, t0, ctx - t0 < 16 ? ctx - t0 : 16, c,
                              kbuf + (int64_t)(t0 / 16 * NP + c) * 16);
     /* its values as B tiles: 32 keys (16 pairs, zeros past ctx) x 16 dims, (v_t, v_t+1) side by side */
     const __m512i inter = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004,
@@ -665,8 +793,9 @@ static void FN(prefill_seq_amx)(const T *q, int64_t q_tok_stride, int64_t q_head
     for (int t0 = 0; t0 < ctx; t0 += 32)
         for (int pr = 0; pr < 16; pr++) {
             const int t = t0 + 2 * pr;
-            const T *va = t < ctx ? v_cache + ((int64_t)table[t / B] * B + t % B) * token_stride + (int64_t)h * D : NULL;
-            const T *vb = t + 1 < ctx ? v_cache + ((int64_t)table[(t + 1) / B] * B + (t + 1) % B) * token_stride
+            const uint16_t *va =
+                t < ctx ? v_cache + ((int64_t)table[t / B] * B + t % B) * token_stride + (int64_t)h * D : NULL;
+            const uint16_t *vb = t + 1 < ctx ? v_cache + ((int64_t)table[(t + 1) / B] * B + (t + 1) % B) * token_stride
                                             + (int64_t)h * D : NULL;
             for (int d = 0; d < ND; d++) {
                 const __m256i a = va ? _mm256_loadu_si256((const __m256i *)(va + 16 * d)) : _mm256_setzero_si256();
@@ -676,17 +805,17 @@ static void FN(prefill_seq_amx)(const T *q, int64_t q_tok_stride, int64_t q_head
             }
         }
     float obuf[16 * 64] __attribute__((aligned(64)));
-    const int64_t qs = q_tok_stride * (int64_t)sizeof(T), ss = (int64_t)ctx_pad * 4, ps = (int64_t)ctx_pad * 2;
+    const int64_t qs = q_tok_stride * (int64_t)sizeof(uint16_t), ss = (int64_t)ctx_pad * 4, ps = (int64_t)ctx_pad * 2;
     const __m512 sc = _mm512_set1_ps(scale);
     for (int i0 = 0; i0 < q_len; i0 += 16) {
         const int nr = q_len - i0 < 16 ? q_len - i0 : 16;
         const int first = ctx - q_len + i0, cmax = first + nr; /* row i sees keys 0 .. first + i */
         const int nk16 = (cmax + 15) / 16, nk32 = (cmax + 31) / 32;
         if (*cfg != nr) {
-            FN(prefill_amx_configure)(nr);
+            prefill_amx_configure(nr);
             *cfg = nr;
         }
-        const T *q0 = q + (q_first + i0) * q_tok_stride;
+        const uint16_t *q0 = q + (q_first + i0) * q_tok_stride;
         /* pass 1 */
         for (int j = 0; j < nk16; j++) {
             const __m512i *kb = kbuf + (int64_t)j * NP * 16;
@@ -695,21 +824,35 @@ static void FN(prefill_seq_amx)(const T *q, int64_t q_tok_stride, int64_t q_head
             /* query heads three at a time, each into its own accumulator tile (0-2), so that their
              * products overlap instead of waiting on one tile */
             for (int g0 = 0; g0 < G; g0 += 3) {
-                const T *qg = q0 + (int64_t)(h * G + g0) * q_head_stride;
+                const uint16_t *qg = q0 + (int64_t)(h * G + g0) * q_head_stride;
                 float *sg = scores + (int64_t)g0 * 16 * ctx_pad + 16 * j;
                 const int ng = G - g0 < 3 ? G - g0 : 3;
-#define PASS1_HEAD(C_, i_)                                                          \
-                _tile_zero(C_);                                                     \
-                _tile_loadd(3, qg + (i_) * q_head_stride, qs);                      \
-                _tile_dpbf16ps(C_, 3, 5);                                           \
-                if (NP > 1) {                                                       \
-                    _tile_loadd(4, qg + (i_) * q_head_stride + 32, qs);             \
-                    _tile_dpbf16ps(C_, 4, 6);                                       \
+                /* each head's products (the _tile_* intrinsics take literal tile numbers) */
+                _tile_zero(0);
+                _tile_loadd(3, qg, qs);
+                _tile_dpbf16ps(0, 3, 5);
+                if (NP > 1) {
+                    _tile_loadd(4, qg + 32, qs);
+                    _tile_dpbf16ps(0, 4, 6);
                 }
-                PASS1_HEAD(0, 0)
-                if (ng > 1) { PASS1_HEAD(1, 1) }
-                if (ng > 2) { PASS1_HEAD(2, 2) }
-#undef PASS1_HEAD
+                if (ng > 1) {
+                    _tile_zero(1);
+                    _tile_loadd(3, qg + q_head_stride, qs);
+                    _tile_dpbf16ps(1, 3, 5);
+                    if (NP > 1) {
+                        _tile_loadd(4, qg + q_head_stride + 32, qs);
+                        _tile_dpbf16ps(1, 4, 6);
+                    }
+                }
+                if (ng > 2) {
+                    _tile_zero(2);
+                    _tile_loadd(3, qg + 2 * q_head_stride, qs);
+                    _tile_dpbf16ps(2, 3, 5);
+                    if (NP > 1) {
+                        _tile_loadd(4, qg + 2 * q_head_stride + 32, qs);
+                        _tile_dpbf16ps(2, 4, 6);
+                    }
+                }
                 _tile_stored(0, sg, ss);
                 if (ng > 1) _tile_stored(1, sg + 16 * ctx_pad, ss);
                 if (ng > 2) _tile_stored(2, sg + 32 * ctx_pad, ss);
@@ -769,9 +912,10 @@ static void FN(prefill_seq_amx)(const T *q, int64_t q_tok_stride, int64_t q_head
                 _tile_stored(3, obuf + 48, 256);
             }
             for (int i = 0; i < nr; i++) {
-                T *o = out + ((q_first + i0 + i) * (int64_t)num_q_heads + h * G + g) * D;
+                uint16_t *o = out + ((q_first + i0 + i) * (int64_t)num_q_heads + h * G + g) * D;
                 const __m512 inv = _mm512_set1_ps(inv_sum[g * 16 + i]);
-                for (int d = 0; d < ND; d++) VST(o + 16 * d, _mm512_mul_ps(_mm512_load_ps(obuf + i * 64 + 16 * d), inv));
+                for (int d = 0; d < ND; d++)
+                    vst_bf16(o + 16 * d, _mm512_mul_ps(_mm512_load_ps(obuf + i * 64 + 16 * d), inv));
             }
         }
     }
@@ -799,12 +943,12 @@ static void FN(prefill_seq_amx)(const T *q, int64_t q_tok_stride, int64_t q_head
  * and bf16 on AVX2, stay row by row: the tiles are built on vdpbf16ps's pairs, which AVX2 has no
  * counterpart for, and a prefill's attention is a small share of a step at the prompt lengths
  * measured here (the GEMMs dominate), so no AVX2 tiled version has been written. */
-int FN(paged_prefill_attention)(const T *q, int64_t q_tok_stride, int64_t q_head_stride, const T *k_cache,
-                                const T *v_cache, const int32_t *block_tables, int64_t block_table_stride,
-                                const int32_t *query_starts, const int32_t *context_lens, T *out,
-                                int64_t num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
-                                int block_size, float scale, int num_threads) {
-#if HAVE_AVX512 && DP_BF16
+int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_tok_stride, int64_t q_head_stride,
+                                 const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *block_tables,
+                                 int64_t block_table_stride, const int32_t *query_starts,
+                                 const int32_t *context_lens, uint16_t *out, int64_t num_seqs, int num_q_heads,
+                                 int num_kv_heads, int head_dim, int block_size, float scale, int num_threads) {
+#if HAVE_AVX512 && defined(__AVX512BF16__)
     const int D = head_dim, B = block_size, hkv = num_kv_heads;
     if ((D != 32 && D != 64 && D != 128 && D != 256) || B % 2 || num_q_heads % hkv || num_q_heads / hkv > 8)
         return 2;
@@ -862,7 +1006,7 @@ int FN(paged_prefill_attention)(const T *q, int64_t q_tok_stride, int64_t q_head
             if (it < amx_seqs * hkv) {
                 const int64_t s = tile_seq[it / hkv] >> 32;
                 const int q_len = query_starts[s + 1] - query_starts[s];
-                FN(prefill_seq_amx)(q, q_tok_stride, q_head_stride, k_cache, v_cache,
+                prefill_seq_amx(q, q_tok_stride, q_head_stride, k_cache, v_cache,
                                     block_tables + s * block_table_stride, query_starts[s], q_len, context_lens[s],
                                     (int)(it % hkv), G, hkv, B, D, num_q_heads, scale, out, scores, probs, ctx_pad,
                                     kvbuf, kvbuf + kv_bytes / sizeof(__m512i), &cfg);
@@ -876,15 +1020,24 @@ int FN(paged_prefill_attention)(const T *q, int64_t q_tok_stride, int64_t q_head
             const int first = context_lens[s] - q_len + i0;
             const int32_t *table = block_tables + s * block_table_stride;
             const int64_t q0 = query_starts[s] + i0;
-#define PREFILL_CASE(NP_)                                                                                    \
-    case NP_:                                                                                                \
-        FN(prefill_tile_dp)(q, q_tok_stride, q_head_stride, k_cache, v_cache, table, q0, first, nr, h, G, hkv, \
-                            B, num_q_heads, scale, out, scores, probs, ctx_pad, kt, NP_);                    \
-        break;
-            switch (D / 32) {
-                PREFILL_CASE(1) PREFILL_CASE(2) PREFILL_CASE(4) PREFILL_CASE(8)
+            switch (D / 32) { /* NP a constant in each case */
+            case 1:
+                prefill_tile_dp(q, q_tok_stride, q_head_stride, k_cache, v_cache, table, q0, first, nr, h, G, hkv, B,
+                                num_q_heads, scale, out, scores, probs, ctx_pad, kt, 1);
+                break;
+            case 2:
+                prefill_tile_dp(q, q_tok_stride, q_head_stride, k_cache, v_cache, table, q0, first, nr, h, G, hkv, B,
+                                num_q_heads, scale, out, scores, probs, ctx_pad, kt, 2);
+                break;
+            case 4:
+                prefill_tile_dp(q, q_tok_stride, q_head_stride, k_cache, v_cache, table, q0, first, nr, h, G, hkv, B,
+                                num_q_heads, scale, out, scores, probs, ctx_pad, kt, 4);
+                break;
+            case 8:
+                prefill_tile_dp(q, q_tok_stride, q_head_stride, k_cache, v_cache, table, q0, first, nr, h, G, hkv, B,
+                                num_q_heads, scale, out, scores, probs, ctx_pad, kt, 8);
+                break;
             }
-#undef PREFILL_CASE
         }
 #if HAVE_AMX
         if (cfg >= 0) _tile_release();
@@ -903,132 +1056,14 @@ int FN(paged_prefill_attention)(const T *q, int64_t q_tok_stride, int64_t q_head
 #endif
 }
 
-/* out = weight * round(r / sqrt(mean(r^2) + eps)) with r = round(x + residual) (written to
- * residual_out) or, when residual is NULL, r = x; round() is to T, as Hugging Face's Llama casts
- * before scaling. Rows of x may be strided; every other array is contiguous. */
-void FN(rms_norm)(const T *x, int64_t x_stride, const T *residual, const T *weight, T *out,
-                  T *residual_out, int64_t rows, int64_t dim, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * dim >= PARALLEL_MIN_ELEMS) schedule(static)
-    for (int64_t t = 0; t < rows; t++) {
-        const T *xr = x + t * x_stride;
-        const T *r = xr;
-        int64_t d = 0;
-        float ss = 0.0f;
-#if HAVE_SIMD
-        vf ssv = VZERO();
-#endif
-        if (residual) {
-            T *ro = residual_out + t * dim;
-            const T *rr = residual + t * dim;
-#if HAVE_SIMD
-            for (; d + VW <= dim; d += VW) {
-                const vf sum = VROUND(VADD(VLD(xr + d), VLD(rr + d)));
-                VST(ro + d, sum);
-                ssv = VFMADD(sum, sum, ssv);
-            }
-#endif
-            for (; d < dim; d++) {
-                ST(ro + d, LD(xr + d) + LD(rr + d));
-                ss += LD(ro + d) * LD(ro + d);
-            }
-            r = ro;
-        } else {
-#if HAVE_SIMD
-            for (; d + VW <= dim; d += VW) {
-                const vf v = VLD(xr + d);
-                ssv = VFMADD(v, v, ssv);
-            }
-#endif
-            for (; d < dim; d++) ss += LD(xr + d) * LD(xr + d);
-        }
-#if HAVE_SIMD
-        ss += VHSUM(ssv);
-#endif
-        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        T *o = out + t * dim;
-        d = 0;
-#if HAVE_SIMD
-        const vf invv = VSET1(inv);
-        for (; d + VW <= dim; d += VW) VST(o + d, VMUL(VLD(weight + d), VROUND(VMUL(VLD(r + d), invv))));
-#endif
-        for (; d < dim; d++) {
-            T normed;
-            ST(&normed, LD(r + d) * inv);
-            ST(o + d, LD(weight + d) * LD(&normed));
-        }
-    }
+/* fp32 prefill attention has no tiled kernel: 2, and the caller takes the decode kernel row by row. */
+int paged_prefill_attention_f32(const float *q, int64_t q_tok_stride, int64_t q_head_stride, const float *k_cache,
+                                const float *v_cache, const int32_t *block_tables, int64_t block_table_stride,
+                                const int32_t *query_starts, const int32_t *context_lens, float *out,
+                                int64_t num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
+                                int block_size, float scale, int num_threads) {
+    (void)q, (void)q_tok_stride, (void)q_head_stride, (void)k_cache, (void)v_cache, (void)block_tables;
+    (void)block_table_stride, (void)query_starts, (void)context_lens, (void)out, (void)num_seqs;
+    (void)num_q_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)num_threads;
+    return 2;
 }
-
-/* In place, for q (T, nq, D) and k (T, nk, D) with any token and head strides (head dim
- * contiguous): each head's halves x1, x2 become x1*cos - x2*sin and x2*cos + x1*sin, with
- * cos_sin (max_len, D) = [cos | sin] at the token's position. Returns the first token whose
- * position is outside 0 .. max_len - 1, plus 1, having touched nothing; else 0. */
-int64_t FN(rotary)(const int64_t *positions, T *q, int64_t q_tok_stride, int64_t q_head_stride, int nq,
-                   T *k, int64_t k_tok_stride, int64_t k_head_stride, int nk, const T *cos_sin,
-                   int64_t max_len, int64_t rows, int64_t dim, int num_threads) {
-    const int64_t half = dim / 2;
-    for (int64_t t = 0; t < rows; t++)
-        if (positions[t] < 0 || positions[t] >= max_len) return t + 1;
-#pragma omp parallel for num_threads(num_threads) if (rows * (nq + nk) * dim >= PARALLEL_MIN_ELEMS) schedule(static)
-    for (int64_t t = 0; t < rows; t++) {
-        const T *c = cos_sin + positions[t] * dim;
-        const T *sn = c + half;
-        for (int h = 0; h < nq + nk; h++) {
-            T *x = h < nq ? q + t * q_tok_stride + h * q_head_stride
-                          : k + t * k_tok_stride + (h - nq) * k_head_stride;
-            T *x2 = x + half;
-            int64_t i = 0;
-#if HAVE_SIMD
-            for (; i + VW <= half; i += VW) {
-                const vf a = VLD(x + i), b = VLD(x2 + i), cv = VLD(c + i), sv = VLD(sn + i);
-                VST(x + i, VFMSUB(a, cv, VMUL(b, sv)));
-                VST(x2 + i, VFMADD(b, cv, VMUL(a, sv)));
-            }
-#endif
-            for (; i < half; i++) {
-                const float a = LD(x + i), b = LD(x2 + i), cv = LD(c + i), sv = LD(sn + i);
-                ST(x + i, a * cv - b * sv);
-                ST(x2 + i, b * cv + a * sv);
-            }
-        }
-    }
-    return 0;
-}
-
-/* x (T, 2I) rows [gate | up] (row stride x_stride) -> out (T, I) = silu(gate) * up. */
-void FN(silu_and_mul)(const T *x, int64_t x_stride, T *out, int64_t rows, int64_t inter,
-                      int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (rows * inter >= PARALLEL_MIN_ELEMS) schedule(static)
-    for (int64_t t = 0; t < rows; t++) {
-        const T *g = x + t * x_stride, *u = g + inter;
-        T *o = out + t * inter;
-        int64_t i = 0;
-#if HAVE_SIMD
-        const vf one = VSET1(1.0f);
-        for (; i + VW <= inter; i += VW) {
-            const vf gv = VLD(g + i);
-            const vf silu = VDIV(gv, VADD(one, VEXP(VSUB(VZERO(), gv))));
-            VST(o + i, VMUL(silu, VLD(u + i)));
-        }
-#endif
-        for (; i < inter; i++) {
-            const float gi = LD(g + i);
-            ST(o + i, gi / (1.0f + expf(-gi)) * LD(u + i));
-        }
-    }
-}
-
-#undef PROBLEM
-#undef FN
-#undef ITEM_LOCALS
-/* the including file's parameters, so that it can include this again for another type */
-#undef T
-#undef SFX
-#undef LD
-#undef ST
-#undef VLD
-#undef VST
-#undef VROUND
-#undef VLD2
-#undef VST2
-#undef DP_BF16
