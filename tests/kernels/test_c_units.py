@@ -1,6 +1,6 @@
 """The native library's C units (kernels/csrc): each compiles alone, warning-free, for every ISA
 variant's flags; and every exported op gives the same bits as the single-file library they were
-split from (revision BEFORE_SPLIT, built from git with the same flags), on the variants this CPU
+split from (revision BEFORE_SPLIT, built from git with the same flags), on the variant this CPU
 runs. The split moved code and changed no arithmetic: once an op's numerics change on purpose,
 its comparison here goes (git still holds it)."""
 
@@ -111,11 +111,18 @@ class Pair:
         self.compared += 1
 
 
-@pytest.fixture
-def pair(cpu_variant, tmp_path):
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory):
+    """On the variant this CPU runs (the one its users get): building the old library takes a minute or
+    two a variant, and the units' other variants are compiled above."""
     new = cpu_native.library()
     _bind_decode_layers(new)
-    return Pair(_old_library(cpu_variant, tmp_path), new)
+    return _old_library(cpu_native.variant(), tmp_path_factory.mktemp("before-split")), new
+
+
+@pytest.fixture
+def pair(libraries):
+    return Pair(*libraries)
 
 
 def _rand(g: torch.Generator, *shape: int, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
