@@ -388,7 +388,14 @@ def write_catalog(data_dir: str | os.PathLike) -> bool:
             con.execute(f"DROP VIEW IF EXISTS {name}")
         # DuckDB binds a view when it is created: resolve the relative paths against the data dir
         con.execute(f"SET file_search_path = {_q(str(layout.root))}")
-        create_views(con, layout, relative_to=layout.root)
+        for attempt in range(4):  # a part listed while a view was bound, then deleted: bind again
+            try:
+                create_views(con, layout, relative_to=layout.root)
+                break
+            except duckdb.IOException:
+                if attempt == 3:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
         # no data dir in it: the catalog of a copied data dir is the copy's (paths above are relative)
         con.execute(f"CREATE OR REPLACE TABLE {INTERNAL_SCHEMA}.meta AS "
                     "SELECT ? AS schema_version, ? AS written_at", [SCHEMA_VERSION, time.time()])
