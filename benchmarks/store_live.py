@@ -15,10 +15,13 @@ with the parameters dashboard.data / dashboard.series pass) and `batchgen status
 job), each on a fresh cursor of one connection as the dashboard does, and records its time against
 the job's progress. The report gives p50 / p95 / max per query per tenth of the job, and overall.
 
-`--lever compact` (the default) runs the janitor's compaction (jobs.store.compact.compact: running
-jobs too) every `--compact-every-s` in a third process during the job, as a worker's janitor would;
-`--lever telemetry` only what the janitor compacted before (telemetry, then garbage); `--lever none`
-nothing. `--max-s` stops the writer after that long (a 10M-request job takes hours to write here).
+`--lever writers` (the default: the store as it ships) has the writers merge their groups' raw parts
+as they commit (jobs.store.compact.compact_written) and runs the janitor's compaction
+(jobs.store.compact.compact: running jobs too) every `--compact-every-s` in a third process during
+the job, as a worker's janitor would; `--lever compact` the janitor's alone (writers' compaction
+off); `--lever telemetry` only what the janitor compacted before (telemetry, then garbage); `--lever
+none` nothing. `--max-s` stops the writer after that long (a 10M-request job takes hours to write
+here).
 """
 
 from __future__ import annotations
@@ -68,13 +71,13 @@ def make_job(data_dir: Path, requests: int, shard_size: int) -> None:
 
 
 def writer(data_dir: str, requests: int, shard_size: int, workers: int, flushes: int, steps_per_shard: int,
-           requests_per_s: float, max_s: float, done, stop) -> None:
+           requests_per_s: float, max_s: float, done, stop, compact_as_written: bool = False) -> None:
     """Write the job's shards in order (see the module docstring), for at most `max_s` seconds (0: no
-    limit); `done` counts committed requests."""
+    limit); `done` counts committed requests. `compact_as_written`: the writers compact as they write."""
     from jobs.store import Store
 
     rng = random.Random(0)
-    store = Store(data_dir)
+    store = Store(data_dir, compact_as_written=compact_as_written)
     telemetry = [store.telemetry_buffer(f"worker-{w:02d}", flush_interval_s=1e9) for w in range(workers)]
     for buf in telemetry:
         buf.max_rows = 40
@@ -142,7 +145,7 @@ def compactor(data_dir: str, lever: str, every_s: float, min_age_s: float, stop)
     from jobs.store.compact import collect_garbage, compact, compact_telemetry
 
     while not stop.wait(every_s):
-        if lever == "compact":
+        if lever in ("compact", "writers"):
             compact(data_dir, min_age_s=min_age_s)
         else:
             compact_telemetry(data_dir, min_age_s=min_age_s)
@@ -188,7 +191,7 @@ def time_round(con, data_dir: str, manifest, queries: dict, timeout_s: float) ->
     """One run of every query (interrupted past `timeout_s`, as the dashboard's are: it then counts as
     `timeout_s`) and of `status`: name -> milliseconds."""
     from jobs.status import job_status, jobs_status
-    from jobs.store import QueryTimeout, run_query
+    from jobs.store import QueryTimeout, UserSqlError, run_query
 
     out = {}
     for name, (sql, params) in queries.items():
@@ -198,6 +201,9 @@ def time_round(con, data_dir: str, manifest, queries: dict, timeout_s: float) ->
             run_query(cur, sql, params or None, timeout_s=timeout_s, max_rows=200_000)
             out[name] = (time.perf_counter() - t) * 1000
         except QueryTimeout:
+            out[name] = timeout_s * 1000
+        except UserSqlError as exc:  # failed even when run again (a part deleted under it each time)
+            print(f"{name} failed: {exc}", flush=True)
             out[name] = timeout_s * 1000
         finally:
             cur.close()
@@ -225,13 +231,14 @@ def run(args: argparse.Namespace, data_dir: Path) -> dict:
     done, stop = ctx.Value("q", 0), ctx.Event()  # stop: the compactor's (and an interrupted writer's)
     procs = [ctx.Process(target=writer, args=(str(data_dir), args.requests, args.shard_size, args.workers,
                                               args.flushes, args.steps_per_shard, args.requests_per_s,
-                                              args.max_s, done, stop))]
+                                              args.max_s, done, stop, args.lever == "writers"))]
     if args.lever != "none":
         procs.append(ctx.Process(target=compactor, args=(str(data_dir), args.lever, args.compact_every_s,
                                                          args.min_age_s, stop)))
     for p in procs:
         p.start()
     samples: list[tuple[float, float, dict]] = []  # (seconds in, fraction committed, ms per query)
+    most_files = 0
     con = connect(data_dir)
     t0 = time.time()
     try:
@@ -240,6 +247,7 @@ def run(args: argparse.Namespace, data_dir: Path) -> dict:
             samples.append((time.time() - t0, fraction, time_round(con, str(data_dir), manifest,
                                                                    dashboard_queries(), args.timeout_s)))
             files = sum(1 for _ in (data_dir / "store").rglob("*.parquet"))
+            most_files = max(most_files, files)
             slowest = max(samples[-1][2].items(), key=lambda kv: kv[1])
             print(f"{time.time() - t0:7.0f} s {100 * fraction:6.2f}% {files:7d} files, "
                   f"slowest {slowest[0]} {slowest[1]:.0f} ms", flush=True)
@@ -251,11 +259,11 @@ def run(args: argparse.Namespace, data_dir: Path) -> dict:
         for p in procs:
             p.join()
         con.close()
-    return report(samples, args, time.time() - t0, data_dir)
+    return report(samples, args, time.time() - t0, data_dir, most_files)
 
 
 def report(samples: list[tuple[float, float, dict]], args: argparse.Namespace, wall_s: float,
-           data_dir: Path) -> dict:
+           data_dir: Path, most_files: int = 0) -> dict:
     """p50 / p95 / max per query over the run, and p95 in each tenth of the run's time (the worst
     tenth: "at every moment", not only on average)."""
     names = list(samples[0][2]) if samples else []
@@ -275,10 +283,11 @@ def report(samples: list[tuple[float, float, dict]], args: argparse.Namespace, w
     committed = samples[-1][1] * args.requests if samples else 0
     out = {"requests": args.requests, "requests_written": committed, "shard_size": args.shard_size,
            "workers": args.workers, "lever": args.lever,
-           "rounds": len(samples), "wall_s": wall_s, "parquet_files_at_end": files, "queries": table}
+           "rounds": len(samples), "wall_s": wall_s, "parquet_files_at_end": files,
+           "parquet_files_most": most_files, "queries": table}
     print(f"\nlever {args.lever}: {committed:,.0f} of {args.requests:,} requests written, "
           f"{len(samples)} rounds in {wall_s:.0f} s, "
-          f"{files} Parquet files in the store at the end")
+          f"{files} Parquet files in the store at the end (at most {most_files} seen between rounds)")
     print(f"{'query':34} {'p50 ms':>8} {'p95 ms':>8} {'max ms':>8} {'worst tenth p95':>16}")
     for name, row in table.items():
         flag = ("" if row["worst_tenth_p95_ms"] < 300 else "  > 300 ms") + (
@@ -297,9 +306,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps-per-shard", type=int, default=40, help="engine iterations written per shard")
     ap.add_argument("--requests-per-s", type=float, default=0.0,
                     help="the fleet's rate (0: as fast as possible)")
-    ap.add_argument("--lever", choices=("none", "telemetry", "compact"), default="compact",
+    ap.add_argument("--lever", choices=("none", "telemetry", "compact", "writers"), default="writers",
                     help="compaction while the job runs: none; telemetry (and garbage) only; the janitor's "
-                         "compact (running jobs too)")
+                         "compact (running jobs too); writers (the writers' compaction as they commit, "
+                         "and the janitor's)")
     ap.add_argument("--compact-every-s", type=float, default=60.0, help="the janitor's interval")
     ap.add_argument("--min-age-s", type=float, default=30.0, help="parts younger than this stay raw")
     ap.add_argument("--timeout-s", type=float, default=30.0,

@@ -6,6 +6,7 @@ length), failed (a sample with an error) and cancelled, read from the `outputs` 
 from __future__ import annotations
 
 import logging
+import time
 
 import duckdb
 
@@ -31,9 +32,21 @@ FROM (""" + REQUEST_OUTCOMES_SQL + """) GROUP BY job_id
 """
 
 
+FETCH_TRIES = 4  # a query whose part file the compactor deleted after it was listed runs again
+
+
 def fetch_rows(con, sql: str, params: list | None = None) -> list[dict]:
-    """A query's rows as dicts."""
-    cur = con.execute(sql, params or [])
+    """A query's rows as dicts. A file error (a part the query listed was deleted by the compactor
+    before it was read: the views stay correct, the query only has to list again) runs it again, up
+    to FETCH_TRIES times in all."""
+    for attempt in range(FETCH_TRIES):
+        try:
+            cur = con.execute(sql, params or [])
+            break
+        except duckdb.IOException:
+            if attempt == FETCH_TRIES - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
     names = [d[0] for d in cur.description]
     return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 
 from jobs.manifest import JobManifest, ManifestError, load_manifest
 from jobs.request_counts import fetch_counts, fetch_rows, request_counts
@@ -88,6 +89,14 @@ def _ago(seconds: float) -> str:
 
 SHARD_STATES = VIEW_STATUSES  # the `shards` view's statuses, in the order they are counted
 LISTED_STATES = (ShardState.RUNNING.view_status, ShardState.FAILED.view_status)  # listed without --shards
+# a job's shards in the listed states, and one row of every other state; each row with its state's count
+_LISTED_SHARDS_SQL = """
+SELECT * EXCLUDE (_bg_k) FROM (
+    SELECT *, count(*) OVER (PARTITION BY status) AS _bg_n,
+           row_number() OVER (PARTITION BY status ORDER BY shard_id) AS _bg_k
+    FROM shards WHERE job_id = ?
+) WHERE list_contains(?, status) OR _bg_k = 1 ORDER BY shard_id
+"""
 
 
 def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
@@ -96,7 +105,14 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
     con = connect(manifest.data_dir)
     try:
         job = fetch_rows(con, "SELECT * FROM jobs WHERE job_id = ?", [manifest.job_id])
-        shards = fetch_rows(con, "SELECT * FROM shards WHERE job_id = ? ORDER BY shard_id", [manifest.job_id])
+        if all_shards:
+            shards = fetch_rows(con, "SELECT * FROM shards WHERE job_id = ? ORDER BY shard_id",
+                                [manifest.job_id])
+            by_state = Counter(s["status"] for s in shards)
+        else:  # a job of 40,000 shards: only the listed ones and the counts come out of DuckDB
+            rows = fetch_rows(con, _LISTED_SHARDS_SQL, [manifest.job_id, list(LISTED_STATES)])
+            by_state = Counter({r["status"]: r.pop("_bg_n") for r in rows})
+            shards = [r for r in rows if r["status"] in LISTED_STATES]
         counts = fetch_counts(con, "WHERE job_id = ?", [manifest.job_id])
     finally:
         con.close()
@@ -109,9 +125,9 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
     info.pop("config", None)
     info["request_counts"] = request_counts(manifest.num_requests, counts[0] if counts else None,
                                              counts is None)
-    info["shard_counts"] = {state: sum(1 for s in shards if s["status"] == state) for state in SHARD_STATES}
+    info["shard_counts"] = {state: by_state.get(state, 0) for state in SHARD_STATES}
     info["shard_counts"]["total"] = len(manifest.shards)
-    info["shards"] = shards if all_shards else [s for s in shards if s["status"] in LISTED_STATES]
+    info["shards"] = shards
     info["all_shards"] = all_shards
     queued = 0 if info["status"] in JOB_ENDED_STATUSES else info["shard_counts"]["queued"]
     info["warning"] = no_worker_warning(queued, manifest.queue, manifest.broker,

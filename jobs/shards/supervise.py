@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.broker import BrokerSettings
-from jobs.manifest import JobManifest, JobPaths, list_job_ids, load_manifest
+from jobs.manifest import JobManifest, JobPaths, list_job_ids, load_manifest, shard_sizes
 from jobs.shards.leases import AttemptView, ShardLeases, env_seconds
 from jobs.shards.ledger import ShardLedger
 from jobs.shards.state import ShardState
@@ -76,13 +76,13 @@ def job_progress(manifest: JobManifest, store: Store | None = None) -> JobProgre
     claims = leases.claimed_attempts()
     now = time.time()
     progress = JobProgress(manifest.job_id, manifest.num_requests, paths.cancel_marker.exists())
-    for info in manifest.shards:
-        attempts = claims.get(info.shard_id, [])
-        view = leases.view(info.shard_id, attempts[-1]) if attempts else None
-        shard = _shard_progress(info.shard_id, info.num_requests, view, now, leases.ttl_s)
+    for shard_id, num_requests in shard_sizes(manifest.shards):
+        attempts = claims.get(shard_id, [])
+        view = leases.view(shard_id, attempts[-1]) if attempts else None
+        shard = _shard_progress(shard_id, num_requests, view, now, leases.ttl_s)
         dead = shard.state is ShardState.DEAD
-        if dead and store is not None and store.committed(manifest.job_id, info.shard_id):
-            shard.state, shard.rows_done = ShardState.COMMITTED, info.num_requests
+        if dead and store is not None and store.committed(manifest.job_id, shard_id):
+            shard.state, shard.rows_done = ShardState.COMMITTED, num_requests
         if progress.cancelled and shard.state in (ShardState.QUEUED, ShardState.DEAD):
             shard.state = ShardState.CANCELLED
         progress.shards.append(shard)

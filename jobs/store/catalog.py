@@ -22,16 +22,25 @@ How a view stays correct while writers and the compactor work. Nothing may depen
 in which a query lists files: DuckDB's optimizer may scan one view's glob several times (it turns
 `x = min(x) OVER (...)` into a self-join, each side listing the directory anew), and a directory
 listing that runs while files are renamed in may return a newer file and miss an older one. What a
-listing does guarantee is every file that existed for all of it. So both rules are time fences
-against `now()`, the start of the query's transaction, which every scan of one query shares:
+listing does guarantee is every file that existed for all of it. So the first two rules are time
+fences against `now()`, the start of the query's transaction, which every scan of one query shares:
 
 - A commit counts once `committed_ts <= now() - clock skew`. Its attempt's parts were renamed into
   place before `committed_ts`, so they existed before the query started: every scan lists them.
 - A compacted file counts once its name's time (taken just before its rename into place) plus
   `ACTIVATION_DELAY_S` is <= now(). A file that some scans list and others miss was renamed in
-  during the query, so it does not count yet for it; the raw parts it merged still count, and they
-  are deleted only long after (`compact.GRACE_S`). Each raw part's rows (`_bg_part`) are taken from
-  the first active compacted file holding them, else from the raw part itself: counted once.
+  during the query, so it does not count yet for it; the raw parts it merged still count. Each raw
+  part's rows (`_bg_part`) are taken from the first active compacted file holding them, else from the
+  raw part itself, counted once.
+- A raw part that a scan does not list while a compacted file holding its rows is listed was merged
+  and then deleted (`compact.collect_garbage`): that scan takes its rows from the first compacted file
+  holding them, active or not. So deleting a compaction's inputs never makes rows vanish, however
+  early: a listing returns every file that existed for all of it, and the inputs go only after their
+  compacted file has been in place for a grace period far longer than a listing (`compact`). The
+  grace only spares a query that listed an input the error of opening it once deleted; such a query
+  runs again (`jobs.store.usersql.run_query`). Each scan lists its glob once (a materialized CTE), so
+  it decides for all its rows from one listing; two scans of one query may take a part from
+  different files, which hold the same rows.
 - Every kind has a zero-row `_schema.parquet`, so an empty data dir gives zero rows, not an error.
 - In `connect`'s in-memory views paths are absolute (resolved when the connection is made), so
   they work from any cwd; the catalog file's are relative (above).
@@ -77,34 +86,42 @@ def _now_s() -> str:
 
 
 def _scan_sql(layout: Layout, kind: str, relative_to: Path | None = None) -> str:
-    """Every row of a kind once: from the first active compacted file holding its part, else raw.
-    With `relative_to`, the glob is relative to that directory (the catalog file's views)."""
+    """Every row of a kind once: per raw part (`_bg_part`), from the first active compacted file holding
+    it, else from the raw part itself when this scan lists it, else from the first compacted file holding
+    it (the part was merged and deleted: see the module docstring). One listing decides for the whole
+    scan (the CTE is materialized: read once). With `relative_to`, the glob is relative to that
+    directory (the catalog file's views)."""
     glob = layout.glob(kind) if relative_to is None else os.path.relpath(layout.glob(kind), relative_to)
     # compacted files: <kind>/compacted/<group>/c<10**16 - epoch_us>~<uid>.parquet (compact._compacted_name);
     # told apart by name, not by a path prefix, as DuckDB may report a relative glob's files resolved
-    named_at = "(1e16 - CAST(regexp_extract(_bg_file, '/c([0-9]{16})~[^/]*$', 1) AS DOUBLE)) / 1e6"
+    named_at = "(1e16 - TRY_CAST(regexp_extract(_bg_file, '/c([0-9]{16})~[^/]*$', 1) AS DOUBLE)) / 1e6"
     return f"""
-WITH s AS (
+WITH s AS MATERIALIZED (
     SELECT *, regexp_matches(_bg_file, '/compacted/[^/]+/c[0-9]{{16}}~[^/]*$') AS _bg_compacted
     FROM read_parquet({_q(glob)}, union_by_name = true, hive_partitioning = false,
                       filename = '_bg_file')
-), active AS (
-    SELECT _bg_part, min(_bg_file) AS _bg_file FROM s
-    WHERE _bg_compacted AND {named_at} + {ACTIVATION_DELAY_S + clock_skew_s():.6f} <= {_now_s()}
-    GROUP BY _bg_part
+), pick AS (
+    SELECT _bg_part, coalesce(
+        min(_bg_file) FILTER (WHERE _bg_compacted
+                              AND {named_at} + {ACTIVATION_DELAY_S + clock_skew_s():.6f} <= {_now_s()}),
+        CASE WHEN NOT bool_or(NOT _bg_compacted) THEN min(_bg_file) END) AS _bg_file
+    FROM s GROUP BY _bg_part
 )
 SELECT s.* EXCLUDE (_bg_file, _bg_compacted)
-FROM s LEFT JOIN active AS a ON a._bg_part = s._bg_part
-WHERE (a._bg_part IS NULL AND NOT s._bg_compacted) OR a._bg_file = s._bg_file
+FROM s LEFT JOIN pick AS a ON a._bg_part = s._bg_part
+WHERE (a._bg_file IS NULL AND NOT s._bg_compacted) OR a._bg_file = s._bg_file
 """
 
 
 def _winners_sql() -> str:
-    """The commit that counts per shard: the first, among those no revocation (`lost`) names."""
+    """The commit that counts per shard: the first, among those no revocation (`lost`) names. One scan
+    of the commits (a revocation is a commits row of the same attempt id): each scan lists every file."""
     return f"""
-SELECT * EXCLUDE (lost) FROM _bg.scan_commits
-WHERE committed_ts <= {_now_s()} AND lost IS NULL AND _bg_attempt_id NOT IN (
-    SELECT _bg_attempt_id FROM _bg.scan_commits WHERE lost IS NOT NULL AND committed_ts <= {_now_s()})
+SELECT * EXCLUDE (lost, _bg_revoked) FROM (
+    SELECT *, bool_or(lost IS NOT NULL) OVER (PARTITION BY _bg_attempt_id) AS _bg_revoked
+    FROM _bg.scan_commits WHERE committed_ts <= {_now_s()}
+)
+WHERE lost IS NULL AND NOT _bg_revoked
 QUALIFY row_number() OVER (PARTITION BY job_id, shard_id ORDER BY committed_ts, _bg_attempt_id) = 1
 """
 
@@ -371,7 +388,14 @@ def write_catalog(data_dir: str | os.PathLike) -> bool:
             con.execute(f"DROP VIEW IF EXISTS {name}")
         # DuckDB binds a view when it is created: resolve the relative paths against the data dir
         con.execute(f"SET file_search_path = {_q(str(layout.root))}")
-        create_views(con, layout, relative_to=layout.root)
+        for attempt in range(4):  # a part listed while a view was bound, then deleted: bind again
+            try:
+                create_views(con, layout, relative_to=layout.root)
+                break
+            except duckdb.IOException:
+                if attempt == 3:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
         # no data dir in it: the catalog of a copied data dir is the copy's (paths above are relative)
         con.execute(f"CREATE OR REPLACE TABLE {INTERNAL_SCHEMA}.meta AS "
                     "SELECT ? AS schema_version, ? AS written_at", [SCHEMA_VERSION, time.time()])

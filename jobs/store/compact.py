@@ -12,9 +12,10 @@ one worker (iterations) or one sweep. Compacting a group:
 
 Readers stay correct at every instant (catalog.py explains the rule): a compacted file counts only
 `ACTIVATION_DELAY_S` after its rename, and then its rows replace those of the parts it merged; until
-then the parts count. `collect_garbage` deletes the inputs of a tombstone only after `grace_s`
-(default 10 minutes), far longer than any query the project runs (the dashboard's limit is seconds):
-a running query never has a file deleted under it.
+then the parts count, and a scan that no longer lists a part (deleted) takes its rows from the
+compacted file. `collect_garbage` deletes the inputs of a tombstone only after `grace_s` (default 10
+minutes for a finished job, far longer than any query the project runs, so a running query never has
+a file deleted under it; LIVE_GRACE_S for the parts of a running job and telemetry).
 
 Compaction is physical only: the rows, and so every view's answer, are the same before and after.
 
@@ -26,6 +27,14 @@ are not rewritten), and once a group holds more than LIVE_MAX_COMPACTED compacte
 of them are merged together, so a group keeps a bounded number of files whose sizes grow
 geometrically (each row is rewritten a logarithmic number of times, not once per compaction). Their
 inputs go after LIVE_GRACE_S, not GRACE_S: until then every query still lists and opens them.
+
+The janitor alone (every 60 s, parts older than 30 s) lets a fast job's parts pile up between its
+runs, and every dashboard query opens each of them. So the writers compact too, on a cadence tied to
+the file count rather than the clock (`compact_written`, called by `ShardAttempt.commit` and
+`TelemetryBuffer.flush`): once WRITER_MIN_PARTS raw parts of a group wait, the writer that notices
+merges them (whatever their age; a group another process is compacting is skipped) and deletes the
+group's inputs whose grace is over. A group then holds at most about WRITER_MIN_PARTS raw parts, the
+inputs of the last LIVE_GRACE_S, and LIVE_MAX_COMPACTED + 1 compacted files.
 """
 
 from __future__ import annotations
@@ -52,10 +61,23 @@ TMP_MAX_AGE_S = 3600.0  # temporary files older than this belong to dead writers
 TERMINAL = ("completed", "failed", "cancelled")
 LIVE_MIN_PARTS = 64  # a running job's group is compacted once this many of its raw parts are old enough
 LIVE_MAX_COMPACTED = 8  # past this many compacted files in a running job's group, the smallest are merged
-# inputs of a running job's compaction are deleted this long after it: 4x the dashboard's 30 s limit on
-# a query (PAGE_QUERY_TIMEOUT_S) and 12x `batchgen sql`'s 10 s; a query that meets a deleted part is
-# run again (jobs.store.usersql.run_query)
-LIVE_GRACE_S = 120.0
+# inputs of a running job's (and telemetry's) compaction are deleted this long after it. Views stay
+# correct whenever they go (a scan that does not list a part takes its rows from the compacted file,
+# catalog.py); the grace spares the queries that listed an input the retry when it is gone before
+# they open it (jobs.store.usersql.run_query runs such a query again, but one slower than the grace
+# meets a deleted file each time): the dashboard's limit on a query (PAGE_QUERY_TIMEOUT_S, 30 s), so a
+# page's query never does. Every file in it is one more that each query lists and opens.
+LIVE_GRACE_S = float(os.environ.get("BATCHGEN_STORE_LIVE_GRACE_S", "30"))
+# a writer merges a group's raw parts once this many wait (compact_written); 0 turns writers' compaction off
+WRITER_MIN_PARTS = int(os.environ.get("BATCHGEN_STORE_WRITER_COMPACT_PARTS", "24"))
+# a writer merges compacted files only while they add up to less than this: bigger merges (a long job's
+# large files) are the janitor's, so a commit never waits on rewriting gigabytes
+WRITER_MAX_MERGE_BYTES = 64 << 20
+# telemetry's groups are workers, and its pages read every worker's parts: a writer merges its group at
+# this many raw parts shared among the workers (at least WRITER_MIN_TELEMETRY_PARTS), not at
+# WRITER_MIN_PARTS each, so a fleet's telemetry stays a bounded number of files too
+WRITER_TELEMETRY_PARTS = 96
+WRITER_MIN_TELEMETRY_PARTS = 4
 
 # kind -> ORDER BY of its compacted file (row groups then prune well for the dashboard's filters)
 _SORT = {
@@ -137,31 +159,78 @@ def compact_live_job(data_dir: str | os.PathLike, job_id: str, *, min_age_s: flo
             if not locked:
                 report.skipped.append(f"{kind}/{job_id}: another compactor holds the lock")
                 continue
-            compacted, raw = _live_inputs(layout, kind, job_id, min_age_s)
-            inputs = list(raw) if len(raw) >= min_parts else []
-            if len(compacted) > max_compacted:  # the smallest first: sizes grow geometrically
-                inputs += sorted(compacted, key=lambda p: _size(p))[:max_compacted]
-            if len(inputs) < 2:
-                continue
-            report.rows += _merge(layout, kind, inputs, layout.compacted_dir(kind, job_id))
-            _write_tombstone(layout, kind, job_id, inputs, grace_s=LIVE_GRACE_S)
-            report.groups += 1
-            report.files_in += len(inputs)
+            report.add(_merge_live(layout, kind, job_id, min_age_s=min_age_s, min_parts=min_parts,
+                                   max_compacted=max_compacted))
+    return report
+
+
+def _merge_live(layout: Layout, kind: str, group: str, *, min_age_s: float, min_parts: int,
+                max_compacted: int, max_bytes: int | None = None) -> CompactionReport:
+    """One step of a live group's compaction, its lock held: the raw parts older than `min_age_s` once
+    there are `min_parts`, with the smallest compacted files once there are more than `max_compacted`
+    (and, with `max_bytes`, they add up to less than that)."""
+    report = CompactionReport()
+    compacted, raw = _live_inputs(layout, kind, group, min_age_s)
+    inputs = list(raw) if len(raw) >= min_parts else []
+    if len(compacted) > max_compacted:  # the smallest first: sizes grow geometrically
+        smallest = sorted(compacted, key=lambda p: _size(p))[:max_compacted]
+        if max_bytes is None or sum(_size(p) for p in smallest) < max_bytes:
+            inputs += smallest
+    if len(inputs) < 2:
+        return report
+    report.rows = _merge(layout, kind, inputs, layout.compacted_dir(kind, group))
+    _write_tombstone(layout, kind, group, inputs, grace_s=LIVE_GRACE_S)
+    report.groups, report.files_in = 1, len(inputs)
     return report
 
 
 def compact_telemetry(data_dir: str | os.PathLike, *, min_age_s: float = 30.0) -> CompactionReport:
-    """Merge each worker's iterations parts (and each sweep's parts) older than `min_age_s`."""
+    """Merge each worker's iterations parts (and each sweep's parts) older than `min_age_s`; their
+    inputs go after LIVE_GRACE_S (telemetry keeps coming)."""
     layout = init_data_dir(data_dir)
     report = CompactionReport()
     for kind in ("iterations", "sweeps"):
         for group in _groups(layout, kind):
-            report.add(compact_group(layout, kind, group, min_age_s=min_age_s))
+            report.add(compact_group(layout, kind, group, min_age_s=min_age_s, grace_s=LIVE_GRACE_S))
     return report
 
 
-def compact_group(layout: Layout, kind: str, group: str, *, min_age_s: float = 0.0) -> CompactionReport:
-    """Merge one group's raw parts and compacted files into one new compacted file."""
+def compact_written(layout: Layout, kinds: tuple[str, ...], group: str) -> CompactionReport:
+    """What a writer does after writing a group's parts (see the module docstring): per kind, once
+    WRITER_MIN_PARTS raw parts of the group wait, merge them (any age) and, past LIVE_MAX_COMPACTED,
+    the smallest compacted files; delete the group's inputs whose grace is over. One directory
+    listing per kind when there is nothing to do; a group another process holds is skipped."""
+    report = CompactionReport()
+    if WRITER_MIN_PARTS <= 0:
+        return report
+    for kind in kinds:
+        min_parts = _telemetry_min_parts(layout, kind) if kind in _PER_WORKER else WRITER_MIN_PARTS
+        if _count_files(layout.raw_dir(kind, group)) < min_parts:
+            continue
+        with _group_lock(layout, kind, group) as locked:
+            if not locked:
+                report.skipped.append(f"{kind}/{group}: another compactor holds the lock")
+                continue
+            report.deleted += _collect_group(layout, kind, group)
+            report.add(_merge_live(layout, kind, group, min_age_s=0.0, min_parts=min_parts,
+                                   max_compacted=LIVE_MAX_COMPACTED, max_bytes=WRITER_MAX_MERGE_BYTES))
+    return report
+
+
+_PER_WORKER = ("iterations",)  # kinds grouped by worker (see WRITER_TELEMETRY_PARTS)
+
+
+def _telemetry_min_parts(layout: Layout, kind: str) -> int:
+    """WRITER_TELEMETRY_PARTS shared among the kind's groups (every worker that wrote some), between
+    WRITER_MIN_TELEMETRY_PARTS and WRITER_MIN_PARTS."""
+    groups = max(_count_files(layout.kind_dir(kind) / "raw"), 1)
+    return max(WRITER_MIN_TELEMETRY_PARTS, min(WRITER_MIN_PARTS, WRITER_TELEMETRY_PARTS // groups))
+
+
+def compact_group(layout: Layout, kind: str, group: str, *, min_age_s: float = 0.0,
+                  grace_s: float | None = None) -> CompactionReport:
+    """Merge one group's raw parts and compacted files into one new compacted file (its inputs go
+    after `grace_s`, default GRACE_S)."""
     report = CompactionReport()
     with _group_lock(layout, kind, group) as locked:
         if not locked:
@@ -171,7 +240,7 @@ def compact_group(layout: Layout, kind: str, group: str, *, min_age_s: float = 0
         if len(inputs) < 2 and not any(p.parent.parent.name == "raw" for p in inputs):
             return report  # nothing, or one file that is already compacted
         report.rows = _merge(layout, kind, inputs, layout.compacted_dir(kind, group))
-        _write_tombstone(layout, kind, group, inputs)
+        _write_tombstone(layout, kind, group, inputs, grace_s=grace_s)
         report.groups, report.files_in = 1, len(inputs)
     return report
 
@@ -184,43 +253,77 @@ def collect_garbage(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S) ->
     started before that moment finish.
     """
     layout = init_data_dir(data_dir)
-    grace_s = max(grace_s, catalog.ACTIVATION_DELAY_S + catalog.clock_skew_s())
     deleted = 0
     now = time.time()
     for tomb in sorted(layout.gc.glob("*.json")):
-        info = json.loads(tomb.read_text())
-        grace = max(min(grace_s, info.get("grace_s", grace_s)),
-                    catalog.ACTIVATION_DELAY_S + catalog.clock_skew_s())
-        if now - info["superseded_at"] < grace:
+        info = _read_tombstone(tomb)
+        if info is None or not _due(info, grace_s, now):
             continue
         with _group_lock(layout, info["kind"], info["group"]) as locked:
-            if locked:
+            if locked and tomb.exists():  # a writer (compact_written) may have collected it meanwhile
                 deleted += _delete(layout.file(p) for p in info["files"])
                 tomb.unlink()
     stale = [p for p in layout.tmp.iterdir() if now - _mtime(p, now) > TMP_MAX_AGE_S]
     return deleted + _delete(stale)
 
 
+def _read_tombstone(tomb: Path) -> dict | None:
+    """A tombstone's content, or None when another collector removed it meanwhile."""
+    try:
+        return json.loads(tomb.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _due(info: dict, grace_s: float, now: float) -> bool:
+    """Whether a tombstone's inputs may go: after the smaller of `grace_s` and its own grace, and never
+    before the compacted file that replaces them counts (ACTIVATION_DELAY_S plus the clock skew)."""
+    floor = catalog.ACTIVATION_DELAY_S + catalog.clock_skew_s()
+    grace = max(min(max(grace_s, floor), info.get("grace_s", grace_s)), floor)
+    return now - info["superseded_at"] >= grace
+
+
+def _collect_group(layout: Layout, kind: str, group: str) -> int:
+    """Delete the inputs of the group's tombstones that are due (its lock held); how many files."""
+    deleted, now = 0, time.time()
+    for tomb in sorted(layout.gc.glob(f"{kind}~{group}~*.json")):
+        info = _read_tombstone(tomb)
+        if info is None or info["kind"] != kind or info["group"] != group or not _due(info, GRACE_S, now):
+            continue
+        deleted += _delete(layout.file(p) for p in info["files"])
+        tomb.unlink(missing_ok=True)
+    return deleted
+
+
 # ---------------------------------------------------------------- internals
 
 
 def _finished_jobs(layout: Layout) -> list[str]:
-    con = connect(layout.root)
-    try:
-        rows = con.execute("SELECT job_id FROM jobs WHERE status IN ('completed', 'failed', 'cancelled') "
-                           "ORDER BY job_id").fetchall()
-    finally:
-        con.close()
+    rows = _query(layout, "SELECT job_id FROM jobs WHERE status IN ('completed', 'failed', 'cancelled') "
+                          "ORDER BY job_id")
     return [r[0] for r in rows]
 
 
 def _job_status(layout: Layout, job_id: str) -> str | None:
+    rows = _query(layout, "SELECT status FROM jobs WHERE job_id = ?", [job_id])
+    return rows[0][0] if rows else None
+
+
+def _query(layout: Layout, sql: str, params: list | None = None, tries: int = 4) -> list[tuple]:
+    """Rows of a query over the views; run again when a part it listed was deleted before it was read
+    (another process's garbage collection)."""
     con = connect(layout.root)
     try:
-        rows = con.execute("SELECT status FROM jobs WHERE job_id = ?", [job_id]).fetchall()
+        for attempt in range(tries):
+            try:
+                return con.execute(sql, params or []).fetchall()
+            except duckdb.IOException:
+                if attempt == tries - 1:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
     finally:
         con.close()
-    return rows[0][0] if rows else None
+    raise AssertionError("unreachable")
 
 
 def _groups(layout: Layout, kind: str) -> list[str]:
@@ -245,6 +348,15 @@ def _live_inputs(layout: Layout, kind: str, group: str, min_age_s: float) -> tup
             [p for p in files if p.parent.parent.name == "raw"])
 
 
+def _count_files(directory: Path) -> int:
+    """Entries in a directory (0 when it does not exist): a cheap upper bound on its parts."""
+    try:
+        with os.scandir(directory) as entries:
+            return sum(1 for _ in entries)
+    except FileNotFoundError:
+        return 0
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -255,7 +367,9 @@ def _size(path: Path) -> int:
 def _merged_already(layout: Layout, kind: str, group: str) -> set[Path]:
     files: set[Path] = set()
     for tomb in layout.gc.glob(f"{kind}~{group}~*.json"):
-        files.update(layout.file(p) for p in json.loads(tomb.read_text())["files"])
+        info = _read_tombstone(tomb)
+        if info is not None:
+            files.update(layout.file(p) for p in info["files"])
     return files
 
 
@@ -302,7 +416,7 @@ def _group_lock(layout: Layout, kind: str, group: str) -> Iterator[bool]:
     """Yield True holding the group's lock, False when another live process holds it."""
     path = layout.locks / f"{kind}~{group}.lock"
     fd = _try_lock(path)
-    if fd is None and time.time() - _mtime(path, time.time()) > STALE_LOCK_S:
+    if fd is None and (time.time() - _mtime(path, time.time()) > STALE_LOCK_S or _holder_gone(path)):
         path.unlink(missing_ok=True)
         fd = _try_lock(path)
     if fd is None:
@@ -314,6 +428,21 @@ def _group_lock(layout: Layout, kind: str, group: str) -> Iterator[bool]:
         yield True
     finally:
         path.unlink(missing_ok=True)
+
+
+def _holder_gone(path: Path) -> bool:
+    """Whether a lock was taken on this host by a process that no longer runs (a writer killed while
+    it compacted: writers compact too, so a lock should not wait STALE_LOCK_S for them)."""
+    try:
+        host, pid = path.read_text().split()[:2]
+        if host != socket.gethostname() or int(pid) == os.getpid():
+            return False
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):  # unreadable or half-written (the holder is writing it), not ours
+        return False
+    return False
 
 
 def _try_lock(path: Path) -> int | None:
@@ -342,4 +471,4 @@ def _delete(paths) -> int:
 
 
 __all__ = ["CompactionReport", "GRACE_S", "StoreError", "collect_garbage", "compact", "compact_group",
-           "compact_job", "compact_telemetry"]
+           "compact_job", "compact_telemetry", "compact_written"]

@@ -21,6 +21,11 @@ Buffers flush when `flush_interval_s` (2 s) has passed at the next append, when 
 caller that stops appending must call `flush()` itself (the worker does at shard end). Nothing here
 grows without bound: a flushed buffer is emptied.
 
+After a commit (and a telemetry part), the writer merges its group's raw parts once enough of them
+wait (`jobs.store.compact.compact_written`), so a running job's views read a bounded number of files;
+`Store(data_dir, compact_as_written=False)` (or BATCHGEN_STORE_WRITER_COMPACTION=0) leaves that to
+the janitor. Its failure never fails the write: it is logged, and the janitor compacts later.
+
 Rows are dicts (or a `pyarrow.Table`); base columns are cast to the kind's schema (`schemas.py`), and a
 value that does not fit is an error naming the kind, the column and the row.
 """
@@ -28,6 +33,7 @@ value that does not fit is an error naming the kind, the column and the row.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -65,8 +71,11 @@ from jobs.store.schemas import (
     SweepRecord,
 )
 
+log = logging.getLogger(__name__)
+
 Rows = Sequence[Mapping] | pa.Table
 
+WRITER_COMPACTION_ENV = "BATCHGEN_STORE_WRITER_COMPACTION"  # "0": writers leave compaction to the janitor
 FLUSH_INTERVAL_S = 2.0
 MAX_BUFFERED_ROWS = 8192
 HELD_ROWS_FACTOR = 4  # a telemetry buffer whose writes fail holds at most this many times max_rows
@@ -255,6 +264,7 @@ class ShardAttempt:
         row = _renamed(schemas.record_row(record))
         self.store._write_records("commits", self.job_id, self._prefix, [row])
         self.closed = True
+        self.store._compact_written(schemas.JOB_KINDS, self.job_id)
         return record
 
     def fail(self, error: str) -> None:
@@ -400,6 +410,7 @@ class TelemetryBuffer:
         self.worker_id = worker_id
         self.flush_interval_s, self.max_rows = flush_interval_s, max_rows
         group = path_safe(worker_id)
+        self._store, self._group = store, group
         self._writer = PartWriter(store.layout, "iterations", group, group)
         self._rows: list[dict] = []
         self._last_flush = time.monotonic()
@@ -430,6 +441,7 @@ class TelemetryBuffer:
         name = self._writer.write(table)
         self.rows_written += table.num_rows
         self._rows = []
+        self._store._compact_written(("iterations",), self._group)
         return name
 
     def close(self) -> None:
@@ -448,8 +460,11 @@ class TelemetryBuffer:
 class Store:
     """The write side of one data dir. Cheap to build; holds no open file or connection."""
 
-    def __init__(self, data_dir: str | os.PathLike) -> None:
+    def __init__(self, data_dir: str | os.PathLike, *, compact_as_written: bool | None = None) -> None:
         self.layout = init_data_dir(data_dir)
+        if compact_as_written is None:
+            compact_as_written = os.environ.get(WRITER_COMPACTION_ENV, "1").strip() not in ("0", "false")
+        self.compact_as_written = compact_as_written
 
     @property
     def data_dir(self) -> Path:
@@ -526,6 +541,18 @@ class Store:
             lost=reason or "lost")))
         prefix = f"{record.job_id}~s{record.shard_id:06d}~a{record.attempt:03d}"
         self._write_records("commits", record.job_id, prefix, [row])
+
+    def _compact_written(self, kinds: tuple[str, ...], group: str) -> None:
+        """Merge the group's raw parts once enough wait (`compact.compact_written`); never raises."""
+        if not self.compact_as_written:
+            return
+        from jobs.store.compact import compact_written  # compact imports the read path, not this module
+
+        try:
+            compact_written(self.layout, kinds, group)
+        except Exception as exc:  # noqa: BLE001 -- a write that succeeded stays a success
+            log.warning("store %s: compacting %s of %s after a write failed (the janitor will): %s",
+                        self.layout.root, "/".join(kinds), group, exc)
 
     def _write_records(self, kind: str, group: str, prefix: str, rows: list[dict]) -> str:
         if kind == "job_events":

@@ -191,6 +191,35 @@ def test_status_counts_shards_by_state_and_lists_only_running_and_failed(tmp_pat
     assert [s["shard_id"] for s in info["shards"]] == [3]
 
 
+def test_status_of_running_and_failed_shards_matches_the_full_list(tmp_path):
+    """Without --shards only the listed shards and the counts come out of DuckDB: the same as the full
+    list narrowed, with every state present."""
+    from jobs.manifest import load_manifest
+    from jobs.status import job_status
+    from jobs.store.parts import Store
+    from jobs.store.schemas import ShardEvent
+
+    data = tmp_path / "data"
+    src = _write(tmp_path / "ok.parquet", prompt=[f"p{i}" for i in range(9)])
+    sub = _invoke("submit", src, "--model", MODEL, "--data-dir", str(data), "--shard-size", "1",
+                  "--queue", "q.l")
+    job_id = sub.output.strip().splitlines()[-1]
+    store = Store(str(data))
+    for shard in (1, 4, 6):
+        store.begin_attempt(job_id, shard, 1, "w1", num_requests=1)  # running
+    store.begin_attempt(job_id, 2, 1, "w2").commit()
+    store.begin_attempt(job_id, 7, 1, "w2").commit()
+    store.record_shard_events([ShardEvent(job_id, 3, "failed", 1.0, attempt=1, error="boom"),
+                               ShardEvent(job_id, 8, "failed", 2.0, attempt=1, error="bang")])
+    m = load_manifest(str(data), job_id)
+    full, listed = job_status(m, all_shards=True), job_status(m, all_shards=False)
+    assert listed["shard_counts"] == full["shard_counts"] == {
+        "completed": 2, "running": 3, "queued": 2, "failed": 2, "cancelled": 0, "total": 9}
+    assert [s["shard_id"] for s in listed["shards"]] == [1, 3, 4, 6, 8]
+    assert listed["shards"] == [s for s in full["shards"] if s["status"] in ("running", "failed")]
+    assert len(full["shards"]) == 9 and set(listed) == set(full)
+
+
 def _shard_lines(output: str) -> list[str]:
     """The rows of the shard table `status JOB` prints."""
     lines = output.splitlines()

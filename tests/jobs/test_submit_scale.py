@@ -23,6 +23,7 @@ from jobs.manifest import (
     ShardInfo,
     ShardWriter,
     load_manifest,
+    shard_sizes,
     write_manifest,
 )
 from jobs.status import job_status
@@ -199,3 +200,11 @@ def test_submit_memory_does_not_grow_with_the_rows(tmp_path, monkeypatch):
     large = _peak_during_submit(tmp_path, 240_000)
     assert large[0] < small[0] * 1.3 + 1_000_000, (small, large)
     assert large[1] < 8_000_000 < 240_000 * 70, (small, large)  # the input: about 70 bytes a row in Arrow
+
+
+def test_shard_sizes_are_the_shards_ids_and_row_counts(tmp_path):
+    regular = RegularShards(JobPaths.of(tmp_path, "j"), 10, 4)
+    assert list(shard_sizes(regular)) == [(s.shard_id, s.num_requests) for s in regular] == [(0, 4), (1, 4),
+                                                                                              (2, 2)]
+    listed = [ShardInfo(0, "a", 3, 0), ShardInfo(1, "b", 5, 3)]
+    assert list(shard_sizes(listed)) == [(0, 3), (1, 5)]

@@ -26,6 +26,7 @@ from jobs.store.usersql import run_query
 ROWS_PER_PART = 5
 PARTS_PER_ATTEMPT = 3
 ROWS_PER_SHARD = ROWS_PER_PART * PARTS_PER_ATTEMPT
+MIN_SHARDS = 2  # a writer commits at least this many shards
 
 
 def output_rows(job_id: str, shard: int, start: int, n: int) -> list[dict]:
@@ -53,12 +54,14 @@ def write_attempt(store: Store, job_id: str, shard: int, attempt: int, worker: s
 
 
 def write_job(data_dir: str, job_id: str, worker: str, deadline: float, result_path: str) -> None:
-    """Write shards until the deadline; every 4th shard is first abandoned (no commit), then retried."""
+    """Write shards until the deadline, and at least MIN_SHARDS however late the process started (its
+    imports take seconds on a loaded machine); every 4th shard is first abandoned (no commit), then
+    retried."""
     store = Store(data_dir)
     store.record_job(JobRecord(job_id, "tiny", 0, 0, time.time()))
     shards = iterations = 0
     with store.telemetry_buffer(worker, flush_interval_s=0.05) as telemetry:
-        while time.time() < deadline:
+        while time.time() < deadline or shards < MIN_SHARDS:
             if shards % 4 == 3:
                 write_attempt(store, job_id, shards, 1, worker, commit=False)
                 write_attempt(store, job_id, shards, 2, worker, commit=True)

@@ -6,6 +6,8 @@ import json
 import os
 import time
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from benchmarks.store_queries import main as bench_main
@@ -72,18 +74,23 @@ def test_a_compacted_file_counts_only_after_its_activation_delay(tmp_path, monke
     before = _snapshot(tmp_path)
     compact_job(tmp_path, "job-v")
     assert collect_garbage(tmp_path, grace_s=0) == 0  # never before the replacement counts
-    # prove which files a view reads: hide the raw parts for a moment
+    # prove which files a view reads: the raw parts' rows marked (same parts, other text)
     raw = _files(store.layout, "outputs", "job-v", "raw")
+    for p in raw:
+        table = pq.read_table(p)
+        i = table.schema.get_field_index("output_text")
+        pq.write_table(table.set_column(i, "output_text", pa.array(["raw"] * table.num_rows)), p)
+    assert {r[3] for r in _snapshot(tmp_path)["outputs"]} == {"raw"}  # the compacted file does not count yet
     hidden = tmp_path / "hidden"
     hidden.mkdir()
     for p in raw:
         p.rename(hidden / p.name)
-    assert _snapshot(tmp_path)["outputs"] == []  # the compacted file does not count yet
-    time.sleep(1.6)
-    assert _snapshot(tmp_path) == before  # now it does, in place of the parts
+    # parts no scan lists (merged, then deleted): their rows come from the compacted file at once
+    assert _snapshot(tmp_path) == before
     for p in raw:
         (hidden / p.name).rename(p)
-    assert _snapshot(tmp_path) == before  # and parts it holds are not counted twice
+    time.sleep(1.6)
+    assert _snapshot(tmp_path) == before  # now it counts, in place of the parts, which are not counted twice
     assert collect_garbage(tmp_path, grace_s=0) > 0
 
 

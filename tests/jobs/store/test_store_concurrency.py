@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import multiprocessing
 import time
@@ -15,6 +16,7 @@ from jobs.store.usersql import run_query
 from tests.jobs.store import store_workers as sw
 
 SPAWN = multiprocessing.get_context("spawn")
+compact_mod = importlib.import_module("jobs.store.compact")  # the package exports a function `compact`
 
 
 def _answers(data_dir: Path) -> dict:
@@ -120,6 +122,9 @@ def test_compaction_racing_with_readers_keeps_every_answer(tmp_path, monkeypatch
     # compacted files count 1 s after their rename (5 s by default), in the readers and here
     monkeypatch.setenv("BATCHGEN_STORE_ACTIVATION_DELAY_S", "1.0")
     monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 1.0)
+    # telemetry's inputs too are kept while the readers run (on a loaded machine this test outlasts
+    # LIVE_GRACE_S; deleting them early is the writers' test, test_store_writer_compact)
+    monkeypatch.setattr(compact_mod, "LIVE_GRACE_S", 600.0)
     data_dir = tmp_path / "data"
     _fill_finished_jobs(data_dir)
     before = _answers(data_dir)

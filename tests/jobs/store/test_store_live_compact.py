@@ -103,7 +103,8 @@ def no_delays(monkeypatch):
 
 
 def test_a_running_job_compacted_in_steps_answers_every_query_the_same(tmp_path, no_delays):
-    store, rng = Store(tmp_path), random.Random(7)
+    """The janitor's steps (compact_live_job, collect_garbage): the writers leave compaction to it here."""
+    store, rng = Store(tmp_path, compact_as_written=False), random.Random(7)
     store.record_job(JobRecord(JOB, "m", 40 * SHARD, 40, time.time() - 200, json.dumps({"queue": "q"})))
     store.record_shard_events([ShardEvent(JOB, s, "queued", time.time() - 200, num_requests=SHARD)
                                for s in range(40)])
@@ -128,7 +129,7 @@ def test_a_running_job_compacted_in_steps_answers_every_query_the_same(tmp_path,
 
 
 def test_compact_takes_running_jobs_past_the_part_threshold_only(tmp_path, no_delays, monkeypatch):
-    store, rng = Store(tmp_path), random.Random(3)
+    store, rng = Store(tmp_path, compact_as_written=False), random.Random(3)
     store.record_job(JobRecord(JOB, "m", 10 * SHARD, 10, time.time() - 200, "{}"))
     _write(store, rng, range(0, 3))
     assert compact(tmp_path, min_age_s=0).groups == 1  # only the worker's telemetry: too few job parts
