@@ -9,7 +9,10 @@ Tolerances, bf16 on both sides:
   logit and half an ulp for the normalizer (which the top logit dominates): one ulp a side. The
   hidden state entering the head is bf16 too and moves the logits by about the ulp of logits
   near 16, hence the floor (a step whose top logit is 3 would otherwise allow 0.03). Measured on
-  these prompts: at most 0.21 nats, p99 0.15 (DELTA is 0.25 for top logits in [16, 32)).
+  these prompts: at most 0.21 nats, p99 0.15 (DELTA is 0.25 for top logits in [16, 32)) on AVX-512
+  CPUs with native bf16. On an AVX2 CPU one step was 0.42 off: there a step past DELTA passes only if
+  our logprob is no farther from transformers' fp32 value than transformers' bf16 one is (+ DELTA),
+  and such steps stay under 1%.
 - Greedy: tokens agree until the first step where they differ; there, on each side, the two tokens'
   logits are within DELTA (a tie at bf16's resolution, which either side may break). Logits of
   16-32 lie 0.125 apart in bf16, so ties are common: 6 of these 18 sequences met one within 32
@@ -152,14 +155,29 @@ def test_sampled_tokens_and_logprobs_bf16_agree_with_transformers_bf16(smollm2_d
             cache[key] = hf_logits(smollm2_dir, prompt + tokens, torch.bfloat16)[len(prompt) - 1: -1]
         return cache[key]
 
-    worst = 0.0
+    worst, beyond = 0.0, []
     for i, (prompt, out) in enumerate(zip(prompts, sampled, strict=True)):
         logits = logits_of(prompt, out.token_ids)
         logprobs = torch.log_softmax(logits, dim=-1)
+        exact = None  # transformers in fp32, taken only for a step past the tolerance
         for s, (token, ours) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
             diff = abs(ours[token] - float(logprobs[s, token]))
             worst = max(worst, diff)
-            assert diff <= delta(float(logits[s].max())), f"prompt {i} step {s}: logprob off by {diff:.3f}"
+            if diff <= delta(float(logits[s].max())):
+                continue
+            # past 2 ulps of transformers' bf16: then ours must be no farther from the fp32 value than
+            # transformers' bf16 is (plus the tolerance). On a CPU without native bf16 (AVX2) both sides
+            # emulate bf16, each its own way, and a step's rounding can put transformers' value 0.4 off
+            if exact is None:
+                full = hf_logits(smollm2_dir, prompt + out.token_ids, torch.float32)[len(prompt) - 1: -1]
+                exact = torch.log_softmax(full, dim=-1)
+            truth = float(exact[s, token])
+            ours_off, theirs_off = abs(ours[token] - truth), abs(float(logprobs[s, token]) - truth)
+            assert ours_off <= theirs_off + delta(float(logits[s].max())), (
+                f"prompt {i} step {s}: logprob off by {diff:.3f} from transformers bf16, and {ours_off:.3f} "
+                f"from fp32 (transformers bf16: {theirs_off:.3f})")
+            beyond.append((i, s))
+    assert len(beyond) <= 0.01 * sum(len(o.token_ids) for o in sampled), beyond  # rare, never the rule
     misses = _draw_misses(prompts, sampled, logits_of, TEMPERATURE)
     off = [m for m in misses if m > 0]
     assert max(misses) <= EPS and len(off) <= OFF_SHARE * len(misses), (len(off), len(misses), max(misses))
