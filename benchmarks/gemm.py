@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from kernels import cpu_native
 from kernels.cpu_gemm import PACKED_DTYPES, linear, pack_onednn, pack_panels, panels_apply
 
 PATHS = {  # the GEMM paths main() compares: how each packs a weight (None: it does not apply)
@@ -37,14 +38,48 @@ def flops_per_s(m: int, k: int, n: int, path: str, seconds: float = 0.3,
     return 2 * m * k * n * reps / (time.perf_counter() - t0)
 
 
+SHAPES = [(8, 576, 960), (64, 576, 960), (128, 576, 3072), (128, 1536, 576),
+          (128, 576, 49152), (2048, 576, 3072), (1024, 1024, 1024)]
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """'MxKxN' as (m, k, n); an argparse error naming the value otherwise."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"--shape {text!r}: expected MxKxN of positive integers, "
+                                         "e.g. 64x576x960")
+    m, k, n = (int(p) for p in parts)
+    return m, k, n
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print GF/s of every path for SmolLM2-135M's decode and prefill shapes, fp32 and bf16."""
-    argparse.ArgumentParser(prog="batchgen bench gemm", description=__doc__.splitlines()[0]).parse_args(argv)
+    parser = argparse.ArgumentParser(prog="batchgen bench gemm", description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", choices=[cpu_native.NATIVE, *cpu_native.VARIANTS],
+                        help="the native library's ISA variant the panels run on (default: the best this "
+                             "CPU executes); to compare oneDNN on the same ISA, set ONEDNN_MAX_CPU_ISA "
+                             "(e.g. AVX2) in the environment")
+    parser.add_argument("--threads", type=int, help="torch and kernel threads (default: torch's)")
+    parser.add_argument("--shape", type=parse_shape, action="append",
+                        help="MxKxN to measure (repeatable; default: SmolLM2-135M's decode and prefill "
+                             "shapes)")
+    parser.add_argument("--seconds", type=float, default=0.3, help="time each measurement this long")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads {args.threads}: must be at least 1")
+        torch.set_num_threads(args.threads)
+    if args.variant is not None:
+        try:
+            cpu_native.use(args.variant)
+        except ValueError as e:
+            parser.error(f"--variant {args.variant}: {e}")
+    print(f"panels on the {cpu_native.variant() or cpu_native.choose()} variant, {torch.get_num_threads()} "
+          f"thread(s)")
     print(f"{'m x k x n':>18} {'dtype':>9}" + "".join(f" {name + ' GF/s':>18}" for name in PATHS))
     for dtype in PACKED_DTYPES:
-        for m, k, n in [(8, 576, 960), (64, 576, 960), (128, 576, 3072), (128, 1536, 576),
-                        (128, 576, 49152), (2048, 576, 3072), (1024, 1024, 1024)]:
-            rates = (flops_per_s(m, k, n, path, dtype=dtype) / 1e9 for path in PATHS)
+        for m, k, n in args.shape or SHAPES:
+            rates = (flops_per_s(m, k, n, path, args.seconds, dtype) / 1e9 for path in PATHS)
             print(f"{f'{m}x{k}x{n}':>18} {str(dtype)[6:]:>9}" + "".join(f" {r:18.0f}" for r in rates))
     return 0
 

@@ -23,9 +23,31 @@ def test_the_gemm_comparison_script_measures_every_path(capsys, monkeypatch):
     monkeypatch.setattr(gemm, "flops_per_s", lambda m, k, n, path, seconds=0.3, dtype=None: rates[path])
     gemm.main([])
     lines = capsys.readouterr().out.splitlines()
-    assert "oneDNN packed GF/s" in lines[0] and "panels GF/s" in lines[0]
-    assert lines[2].split() == ["64x576x960", "float32", "1", "2", "3"]
+    assert "oneDNN packed GF/s" in lines[1] and "panels GF/s" in lines[1]
+    assert lines[3].split() == ["64x576x960", "float32", "1", "2", "3"]
     assert ["64x576x960", "bfloat16", "1", "2", "3"] in [line.split() for line in lines]
+
+
+def test_the_gemm_comparison_runs_the_variant_and_shapes_it_is_given(capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(gemm, "flops_per_s", lambda m, k, n, path, seconds=0.3, dtype=None:
+                        seen.append((m, k, n, seconds, cpu_native.variant())) or 1e9)
+    variant = cpu_native.runnable()[0]  # the plainest this CPU runs, not the one it picks
+    try:
+        gemm.main(["--variant", variant, "--shape", "5x32x64", "--seconds", "0.01"])
+    finally:
+        cpu_native.use(None)
+    assert f"panels on the {variant} variant" in capsys.readouterr().out
+    assert set(seen) == {(5, 32, 64, 0.01, variant)}
+
+
+@pytest.mark.parametrize("argv, named", [(["--shape", "64x576"], "--shape '64x576'"),
+                                         (["--shape", "0x1x1"], "--shape '0x1x1'"),
+                                         (["--threads", "0"], "--threads 0")])
+def test_the_gemm_comparison_names_a_bad_argument(argv, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        gemm.main(argv)
+    assert e.value.code == 2 and named in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("path", list(gemm.PATHS))
@@ -33,3 +55,15 @@ def test_each_compared_path_measures_or_says_it_does_not_apply(path):
     rate = gemm.flops_per_s(8, 16, 64, path, seconds=0.01)
     applies = path == "F.linear" or gemm.PATHS[path](torch.randn(64, 16)) is not None
     assert (rate > 0) == applies
+
+
+def test_the_gemm_comparison_refuses_a_variant_this_cpu_cannot_run(capsys):
+    missing = [v for v in cpu_native.VARIANTS if v not in cpu_native.runnable()]
+    if not missing:
+        pytest.skip("this CPU runs every variant")
+    try:
+        with pytest.raises(SystemExit) as e:
+            gemm.main(["--variant", missing[-1]])
+    finally:
+        cpu_native.use(None)
+    assert e.value.code == 2 and f"--variant {missing[-1]}: this CPU cannot run" in capsys.readouterr().err
