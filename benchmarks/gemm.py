@@ -24,18 +24,20 @@ PATHS = {  # the GEMM paths main() compares: how each packs a weight (None: it d
 
 
 def flops_per_s(m: int, k: int, n: int, path: str, seconds: float = 0.3,
-                dtype: torch.dtype = torch.float32) -> float:
+                dtype: torch.dtype = torch.float32, cpu_time: bool = False) -> float:
     """Measured FLOP/s of one (m, k) x (k, n) product on the CPU through one of PATHS (0 where it
-    does not apply)."""
+    does not apply): over wall time, or over the calling thread's CPU time (cpu_time; meaningful with
+    one torch thread, where the product runs on the calling thread)."""
     x, w = torch.randn(m, k, dtype=dtype), PATHS[path](torch.randn(n, k, dtype=dtype))
     if w is None:
         return 0.0
+    clock = time.thread_time if cpu_time else time.perf_counter
     linear(x, w)
-    reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    reps, t0, wall0 = 0, clock(), time.perf_counter()
+    while time.perf_counter() - wall0 < seconds:
         linear(x, w)
         reps += 1
-    return 2 * m * k * n * reps / (time.perf_counter() - t0)
+    return 2 * m * k * n * reps / (clock() - t0)
 
 
 SHAPES = [(8, 576, 960), (64, 576, 960), (128, 576, 3072), (128, 1536, 576),
@@ -64,22 +66,27 @@ def main(argv: list[str] | None = None) -> int:
                         help="MxKxN to measure (repeatable; default: SmolLM2-135M's decode and prefill "
                              "shapes)")
     parser.add_argument("--seconds", type=float, default=0.3, help="time each measurement this long")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="rates over the thread's CPU time, not wall time (needs --threads 1): other "
+                             "processes' load moves it far less on a shared machine")
     args = parser.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads {args.threads}: must be at least 1")
         torch.set_num_threads(args.threads)
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time needs --threads 1 (with more threads the work is not the calling thread's)")
     if args.variant is not None:
         try:
             cpu_native.use(args.variant)
         except ValueError as e:
             parser.error(f"--variant {args.variant}: {e}")
     print(f"panels on the {cpu_native.variant() or cpu_native.choose()} variant, {torch.get_num_threads()} "
-          f"thread(s)")
+          f"thread(s), GF/s over {'CPU' if args.cpu_time else 'wall'} time")
     print(f"{'m x k x n':>18} {'dtype':>9}" + "".join(f" {name + ' GF/s':>18}" for name in PATHS))
     for dtype in PACKED_DTYPES:
         for m, k, n in args.shape or SHAPES:
-            rates = (flops_per_s(m, k, n, path, args.seconds, dtype) / 1e9 for path in PATHS)
+            rates = (flops_per_s(m, k, n, path, args.seconds, dtype, args.cpu_time) / 1e9 for path in PATHS)
             print(f"{f'{m}x{k}x{n}':>18} {str(dtype)[6:]:>9}" + "".join(f" {r:18.0f}" for r in rates))
     return 0
 

@@ -20,7 +20,8 @@ def test_gemm_peak_counts_the_paths_the_engine_runs():
 
 def test_the_gemm_comparison_script_measures_every_path(capsys, monkeypatch):
     rates = {"F.linear": 1e9, "oneDNN packed": 2e9, "panels": 3e9}
-    monkeypatch.setattr(gemm, "flops_per_s", lambda m, k, n, path, seconds=0.3, dtype=None: rates[path])
+    monkeypatch.setattr(gemm, "flops_per_s", lambda m, k, n, path, seconds=0.3, dtype=None, cpu_time=False:
+                        rates[path])
     gemm.main([])
     lines = capsys.readouterr().out.splitlines()
     assert "oneDNN packed GF/s" in lines[1] and "panels GF/s" in lines[1]
@@ -30,20 +31,34 @@ def test_the_gemm_comparison_script_measures_every_path(capsys, monkeypatch):
 
 def test_the_gemm_comparison_runs_the_variant_and_shapes_it_is_given(capsys, monkeypatch):
     seen = []
-    monkeypatch.setattr(gemm, "flops_per_s", lambda m, k, n, path, seconds=0.3, dtype=None:
-                        seen.append((m, k, n, seconds, cpu_native.variant())) or 1e9)
+    monkeypatch.setattr(gemm, "flops_per_s", lambda m, k, n, path, seconds=0.3, dtype=None, cpu_time=False:
+                        seen.append((m, k, n, seconds, cpu_time, cpu_native.variant())) or 1e9)
     variant = cpu_native.runnable()[0]  # the plainest this CPU runs, not the one it picks
+    threads = torch.get_num_threads()
     try:
-        gemm.main(["--variant", variant, "--shape", "5x32x64", "--seconds", "0.01"])
+        gemm.main(["--variant", variant, "--shape", "5x32x64", "--seconds", "0.01", "--threads", "1",
+                   "--cpu-time"])
     finally:
         cpu_native.use(None)
-    assert f"panels on the {variant} variant" in capsys.readouterr().out
-    assert set(seen) == {(5, 32, 64, 0.01, variant)}
+        torch.set_num_threads(threads)
+    assert f"panels on the {variant} variant, 1 thread(s), GF/s over CPU time" in capsys.readouterr().out
+    assert set(seen) == {(5, 32, 64, 0.01, True, variant)}
+
+
+def test_cpu_time_rates_count_the_calling_threads_work():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rate = gemm.flops_per_s(64, 256, 256, "F.linear", seconds=0.05, cpu_time=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert rate > 0
 
 
 @pytest.mark.parametrize("argv, named", [(["--shape", "64x576"], "--shape '64x576'"),
                                          (["--shape", "0x1x1"], "--shape '0x1x1'"),
-                                         (["--threads", "0"], "--threads 0")])
+                                         (["--threads", "0"], "--threads 0"),
+                                         (["--cpu-time"], "--cpu-time needs --threads 1")])
 def test_the_gemm_comparison_names_a_bad_argument(argv, named, capsys):
     with pytest.raises(SystemExit) as e:
         gemm.main(argv)
