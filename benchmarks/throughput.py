@@ -339,7 +339,8 @@ def kernel_option_flag(f):
     return click.option(
         "--kernel-option", "kernel_option", multiple=True, metavar="NAME=VALUE",
         help="a kernel variant, to compare (repeatable): backend=torch|triton|cpu-native, or native, onednn, "
-             "panel_gemm, prefill_unpack, fused_argmax, fused_decode, amx, attn_stream =on|off")(f)
+             "panel_gemm, prefill_unpack, fused_argmax, fused_decode, amx, attn_stream =on|off, or "
+             "isa=avx2|avx512|avx512bf16|amx (the C kernels' ISA; oneDNN follows $ONEDNN_MAX_CPU_ISA)")(f)
 
 
 def with_kernel_options(config, items: tuple[str, ...]):

@@ -122,6 +122,18 @@ def use(variant: str | None) -> None:
     _wanted, _lib, _tried, _why_not = variant, None, False, ""
 
 
+def use_isa(isa: str) -> None:
+    """KernelOptions.isa applied: use() that variant, unless it is the one asked for already (a loaded
+    library stays loaded); "auto" leaves the process's variant as it is (choose()'s unless use() picked
+    another). A ValueError names the option where this CPU cannot run the variant."""
+    if isa == "auto" or isa == _wanted:
+        return
+    try:
+        use(isa)
+    except ValueError as exc:
+        raise ValueError(f"kernel option isa={isa}: {exc}") from None
+
+
 def variant() -> str:
     """The loaded library's variant ('' when none is loaded)."""
     load()

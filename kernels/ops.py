@@ -199,6 +199,8 @@ KERNELS: dict[str, dict[str, Callable]] = {
 def configure(kernel_options: KernelOptions) -> None:
     """The kernel options every call follows from now on (an engine built with kernel_options sets
     them; the process's engines share the kernels, so the last one built decides)."""
+    if isinstance(kernel_options, KernelOptions):  # (options.configure names anything else)
+        cpu_native.use_isa(kernel_options.isa)  # first: a variant this CPU cannot run changes nothing
     options.configure(kernel_options)
     cpu_native.apply_options()  # the library-wide switches (AMX, the attention's L2 stream), if loaded
 

@@ -28,20 +28,30 @@ class KernelOptions:
     fused_decode: bool = True  # a decode step's layers as one native call (off: op by op)
     amx: bool = True  # bf16 GEMMs on AMX tiles where the CPU has them (off: the vector kernels)
     attn_stream: bool | None = None  # decode attention's own L2 prefetch stream (None: the library's choice)
+    # the C library's ISA variant (kernels/cpu_native.py VARIANTS; auto: the process's, the best this CPU
+    # runs), e.g. avx2 on an AVX-512 CPU to measure the AVX2 code (oneDNN follows ONEDNN_MAX_CPU_ISA)
+    isa: str = "auto"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"kernel backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.isa != "auto":
+            from kernels import cpu_native  # it reads these options: imported here, not at the top
+
+            isas = ("auto", *cpu_native.VARIANTS, cpu_native.NATIVE)
+            if self.isa not in isas:
+                raise ValueError(f"kernel option isa must be one of {isas}, got {self.isa!r}")
         for f in fields(self):
             value = getattr(self, f.name)
             optional = value is None and f.name == "attn_stream"
-            if f.name != "backend" and not (isinstance(value, bool) or optional):
+            if f.name not in ("backend", "isa") and not (isinstance(value, bool) or optional):
                 raise ValueError(f"kernel option {f.name} must be true or false, got {value!r}")
 
     @classmethod
     def parse(cls, items: list[str] | tuple[str, ...], base: KernelOptions | None = None) -> KernelOptions:
         """From NAME=VALUE strings (a benchmark's --kernel-option): on/off, true/false or 1/0 for the
-        switches, a backend name for backend, auto for attn_stream's default."""
+        switches, a backend name for backend, a variant name for isa, auto for attn_stream's and isa's
+        defaults."""
         names = {f.name for f in fields(cls)}
         changes: dict[str, object] = {}
         for item in items:
@@ -49,7 +59,7 @@ class KernelOptions:
             name, raw = name.strip().replace("-", "_"), raw.strip().lower()
             if not eq or name not in names:
                 raise ValueError(f"{item!r}: expected NAME=VALUE with NAME one of {sorted(names)}")
-            if name == "backend":
+            if name in ("backend", "isa"):
                 changes[name] = raw
             elif name == "attn_stream" and raw == "auto":
                 changes[name] = None

@@ -41,4 +41,8 @@ def kernel_options():
         return options.current()
 
     yield use
+    if options.current().isa != "auto":  # "auto" keeps the process's variant: back to the best one
+        from kernels import cpu_native
+
+        cpu_native.use(None)
     ops.configure(before)

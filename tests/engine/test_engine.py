@@ -162,3 +162,31 @@ def test_greedy_steps_take_their_tokens_from_the_head_without_logits(kernel_opti
     mixed = [greedy] * 5 + [SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)]
     outs = llm.generate(prompts, mixed)
     assert calls == [] and [o.token_ids for o in outs] == fused
+
+
+def test_an_engine_runs_the_isa_variant_its_kernel_options_name(kernel_options):
+    """KernelOptions(isa=...) (a benchmark's --kernel-option isa=avx2): the engine's C kernels are that
+    variant's, with the same greedy tokens; one the CPU cannot run is refused naming the option and
+    the flags it lacks, before anything is packed."""
+    from dataclasses import replace
+
+    from kernels import cpu_native, options
+    from kernels.options import KernelOptions
+
+    plainest = cpu_native.runnable()[0]
+    if plainest == cpu_native.NATIVE:
+        pytest.skip("no ISA variant runs on this CPU (not x86-64, or no AVX2)")
+    ckpt = tiny_hf_checkpoint(vocab_size=128)
+    prompts = _prompts(4, seed=5, vocab=128)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    kernel_options()  # the fixture puts the process's variant back after the test
+    llm = LLM("tiny", checkpoint=ckpt, num_kv_blocks=64, max_num_seqs=4,
+              kernel_options=replace(options.current(), isa=plainest))
+    assert cpu_native.variant() == plainest
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == [hf_greedy_ids(ckpt.hf_model, p, 6)
+                                                                    for p in prompts]
+    missing = [v for v in cpu_native.VARIANTS if v not in cpu_native.runnable()]
+    if missing:
+        with pytest.raises(ValueError, match=f"kernel option isa={missing[-1]}: this CPU cannot run"):
+            LLM("tiny", checkpoint=ckpt, num_kv_blocks=64, kernel_options=KernelOptions(isa=missing[-1]))
+        assert cpu_native.variant() == plainest

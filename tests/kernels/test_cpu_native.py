@@ -591,3 +591,11 @@ def test_tiled_prefill_declines_what_it_does_not_take_and_ops_fall_back_to_rows(
     ref = attention_prefill.paged_prefill_attention_ref(bf.q.float(), bf.k_cache.float(), bf.v_cache.float(),
                                                         bf.meta.block_tables, [5, 9], [5, 20], bf.scale)
     torch.testing.assert_close(rows.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_the_isa_kernel_option_parses_a_variant_and_names_a_bad_one():
+    from kernels.options import KernelOptions
+
+    assert KernelOptions.parse(["isa=AVX2"]).isa == "avx2" and KernelOptions().isa == "auto"
+    with pytest.raises(ValueError, match="kernel option isa must be one of .*'avx2'.*got 'sse9'"):
+        KernelOptions.parse(["isa=sse9"])
