@@ -405,7 +405,7 @@ def connect_reporting(data_dir: str | os.PathLike | None = None, *, read_only_us
     try:
         if threads is not None:
             con.execute(f"SET threads = {int(threads)}")
-        broken = create_views(con, layout, views=views)
+        broken = _create_views_retrying(con, layout, views)
         for kind, message in broken.items():
             log.warning("store %s: %s parts unreadable: %s", layout.root, kind, message)
         if read_only_user_sql:
@@ -414,6 +414,24 @@ def connect_reporting(data_dir: str | os.PathLike | None = None, *, read_only_us
         con.close()
         raise
     return con, broken
+
+
+BIND_TRIES = 4  # a view is bound again when a part it listed was deleted before it was opened
+
+
+def _create_views_retrying(con: duckdb.DuckDBPyConnection, layout: Layout,
+                           views: Collection[str] | None) -> dict[str, str]:
+    """`create_views`, again when binding a view over other views met a part that garbage collection
+    deleted after the listing (a compacted file holds its rows: the next listing is right). A scan's
+    own unreadable part is reported, not retried (`create_views`)."""
+    for attempt in range(BIND_TRIES):
+        try:
+            return create_views(con, layout, views=views)
+        except duckdb.IOException:
+            if attempt == BIND_TRIES - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def harden(con: duckdb.DuckDBPyConnection, layout: Layout, memory_limit: str) -> None:

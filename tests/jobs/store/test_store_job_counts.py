@@ -251,3 +251,30 @@ def test_status_of_one_job_counts_from_the_commits(tmp_path):
     drop_commit_counts(data, only="~s000001~")
     info = job_status(load_manifest(str(data), job_id), all_shards=False)
     assert info["request_counts"] == {"total": 6, "completed": 4, "failed": 1, "cancelled": 1}
+
+
+def test_a_part_deleted_while_the_views_are_bound_binds_them_again(tmp_path, monkeypatch):
+    """Garbage collection may delete a listed part before a view over it is bound (the benchmark's
+    `status` met it): the connection binds again, and gives up only after BIND_TRIES."""
+    import duckdb
+
+    from jobs.store import catalog
+
+    make_jobs(tmp_path)
+    real, calls = catalog.create_views, []
+
+    def flaky(con, layout, relative_to=None, views=None, fail=1):
+        calls.append(views)
+        if len(calls) <= fail:
+            raise duckdb.IOException('IO Error: Cannot open file "x.parquet": No such file or directory')
+        return real(con, layout, relative_to, views)
+
+    monkeypatch.setattr(catalog, "create_views", flaky)
+    con = connect(tmp_path, views=STATUS_VIEWS)
+    assert con.execute("SELECT count(*) FROM jobs").fetchone() == (2,) and calls == [STATUS_VIEWS] * 2
+    con.close()
+    calls.clear()
+    monkeypatch.setattr(catalog, "create_views", lambda *a, **k: flaky(*a, **k, fail=99))
+    with pytest.raises(duckdb.IOException, match="x.parquet"):
+        connect(tmp_path)
+    assert len(calls) == catalog.BIND_TRIES
