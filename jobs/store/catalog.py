@@ -331,7 +331,10 @@ def create_views(con: duckdb.DuckDBPyConnection, layout: Layout, relative_to: Pa
             continue
         kind = name.removeprefix(scan_prefix) if name.startswith(scan_prefix) else None
         try:
-            con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
+            if kind is None:
+                con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
+            else:
+                _create_scan(con, name, select)
         except (duckdb.IOException, duckdb.InvalidInputException) as exc:
             if kind is None:
                 raise
@@ -339,6 +342,20 @@ def create_views(con: duckdb.DuckDBPyConnection, layout: Layout, relative_to: Pa
             stand_in = _unreadable_sql(layout, kind, broken[kind], relative_to)
             con.execute(f"CREATE OR REPLACE VIEW {name} AS {stand_in}")
     return broken
+
+
+def _create_scan(con: duckdb.DuckDBPyConnection, name: str, select: str) -> None:
+    """Create a scan's view; bind it again (list the glob anew) when a part it listed was gone before it
+    was opened: garbage collection deleted it, and the compacted file holding its rows is listed next
+    time. A part that stays unreadable through BIND_TRIES is the caller's to report."""
+    for attempt in range(BIND_TRIES):
+        try:
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
+            return
+        except (duckdb.IOException, duckdb.InvalidInputException):
+            if attempt == BIND_TRIES - 1:
+                raise
+            time.sleep(0.02 * (attempt + 1))
 
 
 def unreadable_part_message(duckdb_error: str) -> str:

@@ -278,3 +278,28 @@ def test_a_part_deleted_while_the_views_are_bound_binds_them_again(tmp_path, mon
     with pytest.raises(duckdb.IOException, match="x.parquet"):
         connect(tmp_path)
     assert len(calls) == catalog.BIND_TRIES
+
+
+def test_a_scan_whose_part_vanished_while_bound_is_listed_again(tmp_path):
+    """A part deleted between a scan's listing and its bind (garbage collection) is not an unreadable
+    kind: the scan is bound again; one that stays unreadable is reported after BIND_TRIES."""
+    import duckdb
+
+    from jobs.store import catalog
+
+    class Con:
+        def __init__(self, fails: int) -> None:
+            self.fails, self.calls = fails, 0
+
+        def execute(self, sql: str):
+            self.calls += 1
+            if self.calls <= self.fails:
+                raise duckdb.IOException('IO Error: Cannot open file "x.parquet": No such file or directory')
+
+    once = Con(fails=1)
+    catalog._create_scan(once, "_bg.scan_commits", "SELECT 1")
+    assert once.calls == 2
+    always = Con(fails=99)
+    with pytest.raises(duckdb.IOException):
+        catalog._create_scan(always, "_bg.scan_commits", "SELECT 1")
+    assert always.calls == catalog.BIND_TRIES
