@@ -71,12 +71,17 @@ def job_warning(job: JobSummary, config: dict) -> str | None:
 
 def job_summaries(limit: int = MAX_JOBS) -> list[JobSummary]:
     now = time.time()
-    return [_summary(row, now) for row in fetch_dicts(queries.JOBS_SUMMARY, {"limit": limit})]
+    rows = fetch_dicts(queries.JOBS_SUMMARY, {"limit": limit})
+    if not all(row["counts_complete"] for row in rows):  # a job committed by an older batchgen
+        rows = fetch_dicts(queries.JOBS_SUMMARY_SCAN, {"limit": limit})
+    return [_summary(row, now) for row in rows]
 
 
 def job_summary(job_id: str) -> tuple[JobSummary, dict] | None:
     """The job's summary and its config (parsed JSON), or None when there is no such job."""
     row = fetch_one(queries.JOB_SUMMARY, {"job_id": job_id, "limit": 1})
+    if row is not None and not row["counts_complete"]:  # committed by an older batchgen
+        row = fetch_one(queries.JOB_SUMMARY_SCAN, {"job_id": job_id, "limit": 1})
     if row is None:
         return None
     return _summary(row, time.time()), parse_config(row.get("config"))

@@ -17,31 +17,43 @@ from __future__ import annotations
 # output rows and the finished requests in `requests_live` (committed shards plus the latest attempt
 # of running ones). Each side counts distinct rows from one scan of its own, so neither overcounts;
 # adding committed rows to the uncommitted ones instead would count a shard twice when the two
-# scans of the commits (one per view) straddle its commit.
+# scans of the commits (one per view) straddle its commit. error_rows: the winning commits carry
+# their output rows with finish_reason 'error' (`jobs.error_rows`); a job with commits written before
+# they did (`counts_complete` false) is counted from the outputs instead (the _SCAN variants, which
+# dashboard.data runs for such jobs).
 _JOBS_SUMMARY = """
 WITH live AS (
     SELECT job_id, count(*) AS rows_live, coalesce(sum(output_tokens), 0) AS output_tokens_live
     FROM requests_live {live_where} GROUP BY job_id
-), errors AS (
-    SELECT job_id, count(*) AS error_rows
-    FROM outputs WHERE finish_reason = 'error' {error_filter} GROUP BY job_id
-)
+){errors}
 SELECT j.job_id, j.status, j.model, j.num_requests, j.num_shards,
        j.shards_completed, j.shards_failed, j.shards_running,
        greatest(j.rows_done, coalesce(l.rows_live, 0))::BIGINT AS rows_done,
        greatest(j.output_tokens, coalesce(l.output_tokens_live, 0))::BIGINT AS output_tokens,
        j.prompt_tokens::BIGINT AS prompt_tokens,
-       coalesce(e.error_rows, 0) AS error_rows, j.error,
+       {error_rows} AS error_rows, j.error,
        epoch(j.submitted_at) AS submitted_ts, epoch(j.started_at) AS started_ts,
-       epoch(j.finished_at) AS finished_ts, j.config
-FROM jobs AS j LEFT JOIN live AS l USING (job_id) LEFT JOIN errors AS e USING (job_id)
+       epoch(j.finished_at) AS finished_ts, j.config, j.counts_complete
+FROM jobs AS j LEFT JOIN live AS l USING (job_id){errors_join}
 {job_filter}
 ORDER BY j.submitted_at DESC NULLS LAST, j.job_id
 LIMIT $limit
 """
-JOBS_SUMMARY = _JOBS_SUMMARY.format(live_where="", error_filter="", job_filter="")
-JOB_SUMMARY = _JOBS_SUMMARY.format(live_where="WHERE job_id = $job_id", error_filter="AND job_id = $job_id",
-                                   job_filter="WHERE j.job_id = $job_id")
+_ERRORS_SCAN = """, errors AS (
+    SELECT job_id, count(*) AS error_rows
+    FROM outputs WHERE finish_reason = 'error' {error_filter} GROUP BY job_id
+)"""
+_ONE_JOB = {"live_where": "WHERE job_id = $job_id", "job_filter": "WHERE j.job_id = $job_id"}
+_EVERY_JOB = {"live_where": "", "job_filter": ""}
+_FROM_COMMITS = {"errors": "", "error_rows": "j.error_rows", "errors_join": ""}
+_FROM_OUTPUTS = {"error_rows": "coalesce(e.error_rows, 0)",
+                 "errors_join": " LEFT JOIN errors AS e USING (job_id)"}
+JOBS_SUMMARY = _JOBS_SUMMARY.format(**_EVERY_JOB, **_FROM_COMMITS)
+JOB_SUMMARY = _JOBS_SUMMARY.format(**_ONE_JOB, **_FROM_COMMITS)
+JOBS_SUMMARY_SCAN = _JOBS_SUMMARY.format(**_EVERY_JOB, **_FROM_OUTPUTS,
+                                         errors=_ERRORS_SCAN.format(error_filter=""))
+JOB_SUMMARY_SCAN = _JOBS_SUMMARY.format(**_ONE_JOB, **_FROM_OUTPUTS,
+                                        errors=_ERRORS_SCAN.format(error_filter="AND job_id = $job_id"))
 
 # One page of a job's shards: the ones that need a look first (failed, then running), then the
 # rest by id; `$status` (NULL = every status) narrows the list to one status

@@ -1,6 +1,12 @@
 """Request outcomes as OpenAI Batch's `request_counts` counts them: total, completed (stop or
-length), failed (a sample with an error) and cancelled, read from the `outputs` view. Shared by
-`batchgen status` (jobs.status) and the end-of-run summary (jobs.summary).
+length), failed (a sample with an error) and cancelled. Shared by `batchgen status` (jobs.status)
+and the end-of-run summary (jobs.summary).
+
+Each commit carries its attempt's outcome counts (store schema v3), so a job's counts are sums over
+its winning commits: the `jobs` view's requests_completed / requests_failed / requests_cancelled,
+read with the job (`job_counts`), not a GROUP BY over every output row. A job with a commit written
+before v3 (`counts_complete` false: a data dir of an older batchgen) is counted from the `outputs`
+view as before (`fetch_counts`).
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ import time
 
 import duckdb
 
-from jobs.store import unreadable_part_message
+from jobs.store import connect, unreadable_part_message
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +61,32 @@ def request_counts(total: int, counts: dict | None, unknown: bool = False) -> di
     """OpenAI Batch's request_counts; None for the outcomes when the outputs could not be read."""
     counts = counts or {}
     return {"total": total, **{k: None if unknown else counts.get(k, 0) for k in OUTCOMES}}
+
+
+def job_counts(data_dir: str, jobs: list[dict], unreadable: str | None = None) -> dict[str, dict] | None:
+    """job_id -> {completed, failed, cancelled} for `jobs` (rows of the `jobs` view): from the winning
+    commits' counts, or from the outputs (a connection of its own) for a job whose commits predate
+    them. None (with a warning naming the file) when the outputs are unreadable: `unreadable` is
+    `connect_reporting`'s message for them, else a failed count says so."""
+    if unreadable:
+        log.warning("request counts unknown: %s", unreadable)
+        return None
+    counts = {job["job_id"]: {outcome: job[f"requests_{outcome}"] or 0 for outcome in OUTCOMES}
+              for job in jobs}
+    legacy = sorted(job["job_id"] for job in jobs if not job["counts_complete"])
+    if legacy:
+        con = connect(data_dir)
+        try:
+            found = fetch_counts(con, "WHERE list_contains(?, job_id)", [legacy])
+        finally:
+            con.close()
+        if found is None:
+            return None
+        for job_id in legacy:
+            counts[job_id] = dict.fromkeys(OUTCOMES, 0)
+        for row in found:
+            counts[row["job_id"]] = {outcome: row[outcome] for outcome in OUTCOMES}
+    return counts
 
 
 def fetch_counts(con, where: str = "", params: list | None = None) -> list[dict] | None:

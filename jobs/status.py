@@ -1,7 +1,8 @@
 """`batchgen status`: job and shard progress from the views plus live leases.
 
-The `jobs`, `shards` and `outputs` views say what is committed; lease files add the rows finished
-so far by shards still running. Request counts follow OpenAI Batch's `request_counts`: total,
+The `jobs` and `shards` views say what is committed (the request outcome counts too: the winning
+commits carry them, jobs.request_counts), on a connection with only those views; lease files add the
+rows finished so far by shards still running. Request counts follow OpenAI Batch's `request_counts`: total,
 completed (stop or length), failed (error rows), plus cancelled.
 """
 
@@ -12,21 +13,21 @@ import time
 from collections import Counter
 
 from jobs.manifest import JobManifest, ManifestError, load_manifest
-from jobs.request_counts import fetch_counts, fetch_rows, request_counts
+from jobs.request_counts import fetch_rows, job_counts, request_counts
 from jobs.shards.state import JOB_ENDED_STATUSES, VIEW_STATUSES, ShardState
 from jobs.shards.supervise import job_progress
-from jobs.store import connect, no_worker_warning, read_worker_records
+from jobs.store import STATUS_VIEWS, connect_reporting, no_worker_warning, read_worker_records
 
 
 def jobs_status(data_dir: str) -> list[dict]:
     """One row per job: status, request counts, shard counts, rows done (live), tokens."""
-    con = connect(data_dir)
+    con, broken = connect_reporting(data_dir, views=STATUS_VIEWS)
     try:
         jobs = {r["job_id"]: r for r in fetch_rows(con, "SELECT * FROM jobs ORDER BY submitted_at, job_id")}
-        found = fetch_counts(con)
-        counts = {r["job_id"]: r for r in found or []}
     finally:
         con.close()
+    found = job_counts(data_dir, list(jobs.values()), broken.get("outputs"))
+    counts = found or {}
     rows, records = [], read_worker_records(data_dir)
     for job_id in sorted(jobs, key=lambda j: (str(jobs[j]["submitted_at"]), j)):
         job = jobs[job_id]
@@ -102,7 +103,7 @@ SELECT * EXCLUDE (_bg_k) FROM (
 def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
     """One job: its `jobs` row, request counts, shard counts by state and its shards (every one, or
     only the running and failed ones), with live progress where running."""
-    con = connect(manifest.data_dir)
+    con, broken = connect_reporting(manifest.data_dir, views=STATUS_VIEWS)
     try:
         job = fetch_rows(con, "SELECT * FROM jobs WHERE job_id = ?", [manifest.job_id])
         if all_shards:
@@ -113,17 +114,18 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
             rows = fetch_rows(con, _LISTED_SHARDS_SQL, [manifest.job_id, list(LISTED_STATES)])
             by_state = Counter({r["status"]: r.pop("_bg_n") for r in rows})
             shards = [r for r in rows if r["status"] in LISTED_STATES]
-        counts = fetch_counts(con, "WHERE job_id = ?", [manifest.job_id])
     finally:
         con.close()
+    counts = job_counts(manifest.data_dir, job, broken.get("outputs"))
     progress = {s.shard_id: s for s in job_progress(manifest).shards}
     for shard in shards:
         live = progress.get(shard["shard_id"])
         if shard["status"] == ShardState.RUNNING.view_status and live is not None:
             shard["rows_done"], shard["output_tokens"] = live.rows_done, live.output_tokens
     info = dict(job[0]) if job else {"job_id": manifest.job_id, "status": "queued"}
-    info.pop("config", None)
-    info["request_counts"] = request_counts(manifest.num_requests, counts[0] if counts else None,
+    for key in ("config", "requests_completed", "requests_failed", "requests_cancelled", "counts_complete"):
+        info.pop(key, None)  # the counts go out as request_counts
+    info["request_counts"] = request_counts(manifest.num_requests, (counts or {}).get(manifest.job_id),
                                              counts is None)
     info["shard_counts"] = {state: by_state.get(state, 0) for state in SHARD_STATES}
     info["shard_counts"]["total"] = len(manifest.shards)

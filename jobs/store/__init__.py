@@ -33,7 +33,8 @@ Public API:
   add_request / flush / commit / fail / cancel`; `telemetry_buffer(worker_id)` -> `TelemetryBuffer`;
   `record_job`, `record_shard_events`, `request_cancel`, `record_sweep`, `committed` (`parts.py`);
   records `JobRecord`, `ShardEvent`, `SweepRecord`, `CommitRecord` (`schemas.py`).
-- read: `connect(data_dir, read_only_user_sql=False) -> duckdb.DuckDBPyConnection`,
+- read: `connect(data_dir, read_only_user_sql=False, views=None) -> duckdb.DuckDBPyConnection` (`views`:
+  only some views, e.g. `STATUS_VIEWS`),
   `write_catalog(data_dir)` (`catalog.py`); `run_query`, `run_user_query`, `QueryResult`,
   `UserSqlError`, `QueryTimeout` (`usersql.py`); `QUERIES`, `run_named`, `README_EXAMPLES`
   (`queries.py`).
@@ -53,6 +54,7 @@ Everything outside this package imports from here, never from its modules (tests
 """
 
 from jobs.store.catalog import (
+    STATUS_VIEWS,
     connect,
     connect_reporting,
     unreadable_part_message,
@@ -96,7 +98,7 @@ from jobs.store.workers import WorkerRecord, no_worker_warning, read_worker_reco
 __all__ = [
     "DEFAULT_ADDRESS_SPACE_BYTES", "DEFAULT_MAX_CONCURRENT", "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_MEMORY_LIMIT",
-    "QueryBusy", "SqlLimits", "connect_reporting", "run_sandboxed", "unreadable_part_message",
+    "QueryBusy", "STATUS_VIEWS", "SqlLimits", "connect_reporting", "run_sandboxed", "unreadable_part_message",
     "CheckReport", "check_store", "missing_rows", "quarantine",
     "DATA_DIR_ENV", "DEFAULT_DATA_DIR", "INTERNAL_PREFIX", "LOGPROBS_TYPE", "OUTPUTS", "QUERIES",
     "README_EXAMPLES", "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout",

@@ -11,7 +11,10 @@ copied or moved data dir reads its own files, never the old one's.
 Views (the contract users query; their building blocks are internal views in the schema `_bg`, out of
 `SHOW TABLES`; `_bg_*` columns are internal):
 
-- `jobs`, `shards`: status derived from job records, shard events, cancel requests and commits.
+- `jobs`, `shards`: status derived from job records, shard events, cancel requests and commits. Their
+  counts are the winning commits' totals: rows, tokens and (schema v3) request outcomes and error rows
+  (`requests_completed`, `requests_failed`, `requests_cancelled`, `error_rows`; `jobs.counts_complete`
+  is false while a job has a committed shard whose commit predates them: count its outputs then).
 - `outputs`, `requests`: rows of the one committed attempt per shard (first committed wins; a commit
   revoked because its rows were lost, `Store.revoke_commit`, does not count).
 - `requests_live`: also the rows of each uncommitted shard's latest attempt (`committed` = false),
@@ -56,6 +59,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import duckdb
@@ -174,10 +178,16 @@ FROM (SELECT *, CASE event WHEN 'queued' THEN 0 WHEN 'running' THEN 1 ELSE 2 END
 GROUP BY job_id, shard_id
 """
 
+# winners and the event aggregate each read once (materialized), not once per reference: a scan of
+# the commits or events is a listing and every file opened
 _SHARDS = """
-WITH keys AS (
-    SELECT job_id, shard_id FROM _bg.shard_event_agg
-    UNION SELECT job_id, shard_id FROM _bg.winners
+WITH w AS MATERIALIZED (
+    SELECT * FROM _bg.winners
+), a AS MATERIALIZED (
+    SELECT * FROM _bg.shard_event_agg
+), keys AS (
+    SELECT job_id, shard_id FROM a
+    UNION SELECT job_id, shard_id FROM w
     UNION SELECT job_id, unnest(range(num_shards)) AS shard_id FROM _bg.job_records
 )
 SELECT k.job_id, k.shard_id,
@@ -197,10 +207,12 @@ SELECT k.job_id, k.shard_id,
     coalesce(w.num_outputs, 0) AS rows_done,
     coalesce(w.prompt_tokens, 0) AS prompt_tokens,
     coalesce(w.output_tokens, 0) AS output_tokens,
-    w.attempt AS committed_attempt
+    w.attempt AS committed_attempt,
+    -- the committed attempt's request outcomes (null: not committed, or committed before schema v3)
+    w.requests_completed, w.requests_failed, w.requests_cancelled, w.error_rows
 FROM keys AS k
-LEFT JOIN _bg.shard_event_agg AS a ON a.job_id = k.job_id AND a.shard_id = k.shard_id
-LEFT JOIN _bg.winners AS w ON w.job_id = k.job_id AND w.shard_id = k.shard_id
+LEFT JOIN a ON a.job_id = k.job_id AND a.shard_id = k.shard_id
+LEFT JOIN w ON w.job_id = k.job_id AND w.shard_id = k.shard_id
 LEFT JOIN _bg.cancels AS c ON c.job_id = k.job_id
 """
 
@@ -216,7 +228,10 @@ SELECT job_id,
     sum(rows_done) AS rows_done,
     sum(prompt_tokens) AS prompt_tokens,
     sum(output_tokens) AS output_tokens,
-    arg_min(error, finished_at) FILTER (WHERE status = 'failed') AS error
+    arg_min(error, finished_at) FILTER (WHERE status = 'failed') AS error,
+    sum(requests_completed)::BIGINT AS requests_completed, sum(requests_failed)::BIGINT AS requests_failed,
+    sum(requests_cancelled)::BIGINT AS requests_cancelled, sum(error_rows)::BIGINT AS error_rows,
+    count(*) FILTER (WHERE status = 'completed' AND requests_completed IS NULL) AS commits_without_counts
 FROM shards GROUP BY job_id
 """
 
@@ -237,7 +252,11 @@ WITH j AS (
         coalesce(s.completed, 0) AS shards_completed, coalesce(s.failed, 0) AS shards_failed,
         coalesce(s.running, 0) AS shards_running, coalesce(s.rows_done, 0) AS rows_done,
         coalesce(s.prompt_tokens, 0) AS prompt_tokens, coalesce(s.output_tokens, 0) AS output_tokens,
-        coalesce(s.error, c.cancel_reason) AS error
+        coalesce(s.error, c.cancel_reason) AS error,
+        coalesce(s.requests_completed, 0) AS requests_completed,
+        coalesce(s.requests_failed, 0) AS requests_failed,
+        coalesce(s.requests_cancelled, 0) AS requests_cancelled,
+        coalesce(s.error_rows, 0) AS error_rows, coalesce(s.commits_without_counts, 0) = 0 AS counts_complete
     FROM _bg.job_records AS r FULL JOIN _bg.job_shards AS s ON s.job_id = r.job_id
     LEFT JOIN _bg.cancels AS c ON c.job_id = coalesce(r.job_id, s.job_id)
 )
@@ -245,7 +264,8 @@ SELECT job_id, status, model, num_requests, num_shards, submitted_at, started_at
     CASE WHEN status IN ('completed', 'failed', 'cancelled')
          THEN greatest(last_shard_finished_at, cancel_requested_at) END AS finished_at,
     config, output_path, shards_completed, shards_failed, shards_running, rows_done, prompt_tokens,
-    output_tokens, error, cancel_requested_at
+    output_tokens, error, cancel_requested_at, requests_completed, requests_failed, requests_cancelled,
+    error_rows, counts_complete
 FROM j
 """
 
@@ -268,16 +288,53 @@ def view_definitions(layout: Layout, relative_to: Path | None = None) -> list[tu
     return views
 
 
-def create_views(con: duckdb.DuckDBPyConnection, layout: Layout,
-                 relative_to: Path | None = None) -> dict[str, str]:
-    """Create every view; {kind: error} for kinds whose parts cannot be read (see `_unreadable_sql`)."""
+# view -> the views it reads (a view's scans are bound each time a view over them is created, so a
+# connection that needs only some views binds only those: `connect(views=...)`)
+_READS: dict[str, tuple[str, ...]] = {
+    "_bg.winners": ("_bg.scan_commits",), "_bg.job_records": ("_bg.scan_job_records",),
+    "_bg.cancels": ("_bg.scan_job_events",), "_bg.shard_event_agg": ("_bg.scan_shard_events",),
+    "outputs": ("_bg.winners", "_bg.scan_outputs"), "requests": ("_bg.winners", "_bg.scan_requests"),
+    "requests_live": ("_bg.winners", "_bg.scan_requests"), "iterations": ("_bg.scan_iterations",),
+    "sweeps": ("_bg.scan_sweeps",),
+    "shards": ("_bg.shard_event_agg", "_bg.winners", "_bg.job_records", "_bg.cancels"),
+    "_bg.job_shards": ("shards",), "jobs": ("_bg.job_records", "_bg.job_shards", "_bg.cancels"),
+}
+# what `batchgen status` reads: the jobs and their shards (request counts come with `jobs`, from the
+# winning commits), and the outputs' scan, bound only so that unreadable outputs parts are reported
+STATUS_VIEWS = ("jobs", "shards", "_bg.scan_outputs")
+
+
+def _with_dependencies(names: Collection[str]) -> set[str]:
+    known = {name for name, _ in view_definitions(Layout(Path("/")))}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        raise ValueError(f"no such view(s) {unknown}; views: {sorted(known)}")
+    wanted, todo = set(), list(names)
+    while todo:
+        name = todo.pop()
+        if name not in wanted:
+            wanted.add(name)
+            todo.extend(_READS.get(name, ()))
+    return wanted
+
+
+def create_views(con: duckdb.DuckDBPyConnection, layout: Layout, relative_to: Path | None = None,
+                 views: Collection[str] | None = None) -> dict[str, str]:
+    """Create every view (or only `views` and the views they read); {kind: error} for kinds whose parts
+    cannot be read (see `_unreadable_sql`)."""
     con.execute(f"CREATE SCHEMA IF NOT EXISTS {INTERNAL_SCHEMA}")
     broken: dict[str, str] = {}
     scan_prefix = f"{INTERNAL_SCHEMA}.scan_"
+    wanted = None if views is None else _with_dependencies(views)
     for name, select in view_definitions(layout, relative_to):
+        if wanted is not None and name not in wanted:
+            continue
         kind = name.removeprefix(scan_prefix) if name.startswith(scan_prefix) else None
         try:
-            con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
+            if kind is None:
+                con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
+            else:
+                _create_scan(con, name, select)
         except (duckdb.IOException, duckdb.InvalidInputException) as exc:
             if kind is None:
                 raise
@@ -285,6 +342,20 @@ def create_views(con: duckdb.DuckDBPyConnection, layout: Layout,
             stand_in = _unreadable_sql(layout, kind, broken[kind], relative_to)
             con.execute(f"CREATE OR REPLACE VIEW {name} AS {stand_in}")
     return broken
+
+
+def _create_scan(con: duckdb.DuckDBPyConnection, name: str, select: str) -> None:
+    """Create a scan's view; bind it again (list the glob anew) when a part it listed was gone before it
+    was opened: garbage collection deleted it, and the compacted file holding its rows is listed next
+    time. A part that stays unreadable through BIND_TRIES is the caller's to report."""
+    for attempt in range(BIND_TRIES):
+        try:
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
+            return
+        except (duckdb.IOException, duckdb.InvalidInputException):
+            if attempt == BIND_TRIES - 1:
+                raise
+            time.sleep(0.02 * (attempt + 1))
 
 
 def unreadable_part_message(duckdb_error: str) -> str:
@@ -321,7 +392,8 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> str | os.PathLike:
 
 
 def connect(data_dir: str | os.PathLike | None = None, *, read_only_user_sql: bool = False,
-            memory_limit: str = "2GB", threads: int | None = None) -> duckdb.DuckDBPyConnection:
+            memory_limit: str = "2GB", threads: int | None = None,
+            views: Collection[str] | None = None) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with the store's views over `data_dir`.
 
     With `read_only_user_sql=True` the connection is hardened for SQL typed by a user (the dashboard,
@@ -332,21 +404,25 @@ def connect(data_dir: str | os.PathLike | None = None, *, read_only_user_sql: bo
 
     A kind whose part files cannot be read (a corrupt or vanished file) does not stop the connection:
     queries over its views fail with an error naming the file, all others answer (`create_views`).
+
+    `views` (e.g. STATUS_VIEWS): only these views and those they read, for a short-lived connection
+    that needs a few of them (creating a view binds it: every file of its scans is opened).
     """
     return connect_reporting(data_dir, read_only_user_sql=read_only_user_sql, memory_limit=memory_limit,
-                             threads=threads)[0]
+                             threads=threads, views=views)[0]
 
 
 def connect_reporting(data_dir: str | os.PathLike | None = None, *, read_only_user_sql: bool = False,
-                      memory_limit: str = "2GB",
-                      threads: int | None = None) -> tuple[duckdb.DuckDBPyConnection, dict[str, str]]:
+                      memory_limit: str = "2GB", threads: int | None = None,
+                      views: Collection[str] | None = None,
+                      ) -> tuple[duckdb.DuckDBPyConnection, dict[str, str]]:
     """`connect`, and {kind: error} for the kinds whose parts could not be read."""
     layout = init_data_dir(resolve_data_dir(data_dir), create=False)
     con = duckdb.connect(":memory:")
     try:
         if threads is not None:
             con.execute(f"SET threads = {int(threads)}")
-        broken = create_views(con, layout)
+        broken = _create_views_retrying(con, layout, views)
         for kind, message in broken.items():
             log.warning("store %s: %s parts unreadable: %s", layout.root, kind, message)
         if read_only_user_sql:
@@ -355,6 +431,24 @@ def connect_reporting(data_dir: str | os.PathLike | None = None, *, read_only_us
         con.close()
         raise
     return con, broken
+
+
+BIND_TRIES = 4  # a view is bound again when a part it listed was deleted before it was opened
+
+
+def _create_views_retrying(con: duckdb.DuckDBPyConnection, layout: Layout,
+                           views: Collection[str] | None) -> dict[str, str]:
+    """`create_views`, again when binding a view over other views met a part that garbage collection
+    deleted after the listing (a compacted file holds its rows: the next listing is right). A scan's
+    own unreadable part is reported, not retried (`create_views`)."""
+    for attempt in range(BIND_TRIES):
+        try:
+            return create_views(con, layout, views=views)
+        except duckdb.IOException:
+            if attempt == BIND_TRIES - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def harden(con: duckdb.DuckDBPyConnection, layout: Layout, memory_limit: str) -> None:

@@ -22,7 +22,9 @@ from jobs.store.schemas import KIND_SCHEMAS
 
 # Bump when the part schemas or their meaning change; add a migration to MIGRATIONS below.
 # v2: commits gain `lost` (a row that revokes a commit whose rows were lost; null in a commit).
-SCHEMA_VERSION = 2
+# v3: commits gain the attempt's request outcome counts (`requests_completed`, `requests_failed`,
+#     `requests_cancelled`, `error_rows`; null in older commits, whose jobs are counted from the outputs).
+SCHEMA_VERSION = 3
 CATALOG_NAME = "batchgen.duckdb"
 STORE_DIR = "store"
 DEFAULT_DATA_DIR = "./data"
@@ -214,7 +216,7 @@ def _nothing_to_rewrite(layout: Layout) -> None:
 
 
 # version -> function(layout) upgrading a data dir written at that version to version + 1.
-MIGRATIONS: dict[int, object] = {1: _nothing_to_rewrite}
+MIGRATIONS: dict[int, object] = {1: _nothing_to_rewrite, 2: _nothing_to_rewrite}
 
 
 def migrate(layout: Layout, version: int) -> None:

@@ -225,7 +225,10 @@ class ShardAttempt:
                          for kind in ("outputs", "requests")}
         self._buffers: dict[str, list[Mapping]] = {"outputs": [], "requests": []}
         self._parts: list[str] = []
-        self._totals = {"num_outputs": 0, "num_request_rows": 0, "prompt_tokens": 0, "output_tokens": 0}
+        self._totals = {"num_outputs": 0, "num_request_rows": 0, "prompt_tokens": 0, "output_tokens": 0,
+                        "error_rows": 0}
+        # request id -> its worst sample so far (_OUTCOME_RANK): the commit's request outcome counts
+        self._outcomes: dict[str, int] = {}
         self._last_flush = time.monotonic()
         self.closed = False
 
@@ -259,8 +262,11 @@ class ShardAttempt:
     def commit(self) -> CommitRecord:
         """Flush, then write the commit part that makes this attempt's rows count."""
         self.flush()
+        ranks = list(self._outcomes.values())
         record = CommitRecord(self.job_id, self.shard_id, self.attempt, self.attempt_id, self.worker_id,
-                              time.time(), parts=list(self._parts), **self._totals)
+                              time.time(), parts=list(self._parts), **self._totals,
+                              **{f"requests_{outcome}": ranks.count(rank)
+                                 for outcome, rank in _OUTCOME_RANK.items()})
         row = _renamed(schemas.record_row(record))
         self.store._write_records("commits", self.job_id, self._prefix, [row])
         self.closed = True
@@ -304,8 +310,19 @@ class ShardAttempt:
             self._totals["num_outputs"] += _first_samples(table)
             self._totals["prompt_tokens"] += _sum(table, "prompt_tokens")
             self._totals["output_tokens"] += _sum(table, "output_tokens")
+            self._count_outcomes(table)
         else:
             self._totals["num_request_rows"] += table.num_rows
+
+    def _count_outcomes(self, table: pa.Table) -> None:
+        """Fold an outputs part into the per-request outcomes (a request's samples may span parts)."""
+        outcomes = self._outcomes
+        for request_id, reason in zip(table.column("request_id").to_pylist(),
+                                      table.column("finish_reason").to_pylist(), strict=True):
+            rank = _REASON_RANK[reason]
+            if rank > outcomes.get(request_id, -1):
+                outcomes[request_id] = rank
+            self._totals["error_rows"] += reason == "error"
 
     def _own_output(self, row: Mapping) -> dict:
         row = _caller_row(row, "outputs")
@@ -333,6 +350,11 @@ class ShardAttempt:
     def _check_open(self) -> None:
         if self.closed:
             raise StoreError(f"attempt {self.attempt_id} is already committed, failed or cancelled")
+
+
+# a request's outcome is its worst sample's (as jobs.request_counts counts the outputs view)
+_OUTCOME_RANK = {"completed": 0, "cancelled": 1, "failed": 2}
+_REASON_RANK = {"stop": 0, "length": 0, "cancelled": 1, "error": 2}  # every one of FINISH_REASONS
 
 
 def _caller_row(row: Mapping, kind: str) -> dict:

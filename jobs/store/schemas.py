@@ -122,6 +122,15 @@ class CommitRecord:
     output_tokens: int = 0
     parts: list[str] = field(default_factory=list)  # names of the attempt's data parts
     lost: str | None = None  # a revocation: why the commit of this attempt id no longer counts
+    # the attempt's request outcomes as OpenAI Batch counts them (a request's samples together: failed
+    # if one erred, else cancelled if one was cancelled, else completed) and its output rows with
+    # finish_reason 'error': what `status` and the pages count, carried by the commit so they read the
+    # winning commits instead of every output row. None in commits written before schema v3 (then
+    # the readers count the outputs) and in revocations.
+    requests_completed: int | None = None
+    requests_failed: int | None = None
+    requests_cancelled: int | None = None
+    error_rows: int | None = None
 
 
 def _schema(*cols: tuple[str, pa.DataType]) -> pa.Schema:
@@ -174,7 +183,8 @@ ITERATIONS = _schema(*_stats_columns(IterationStats()), (PART_COLUMN, STR))
 COMMITS = _schema(
     ("job_id", STR), ("shard_id", I64), ("attempt", I64), (ATTEMPT_ID_COLUMN, STR), ("worker_id", STR),
     ("committed_ts", F64), ("num_outputs", I64), ("num_request_rows", I64), ("prompt_tokens", I64),
-    ("output_tokens", I64), ("parts", pa.list_(STR)), ("lost", STR), (PART_COLUMN, STR),
+    ("output_tokens", I64), ("parts", pa.list_(STR)), ("lost", STR), ("requests_completed", I64),
+    ("requests_failed", I64), ("requests_cancelled", I64), ("error_rows", I64), (PART_COLUMN, STR),
 )
 
 SHARD_EVENTS_SCHEMA = _schema(
