@@ -303,3 +303,12 @@ def test_a_scan_whose_part_vanished_while_bound_is_listed_again(tmp_path):
     with pytest.raises(duckdb.IOException):
         catalog._create_scan(always, "_bg.scan_commits", "SELECT 1")
     assert always.calls == catalog.BIND_TRIES
+
+
+def test_every_finish_reason_has_a_request_outcome():
+    """A commit folds each output row's finish_reason into its request's outcome: a reason added to
+    the schema without a rank would fail the commit."""
+    from jobs.store import parts, schemas
+
+    assert set(parts._REASON_RANK) == set(schemas.FINISH_REASONS)
+    assert set(parts._REASON_RANK.values()) == set(parts._OUTCOME_RANK.values())
