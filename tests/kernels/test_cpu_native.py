@@ -178,7 +178,8 @@ def _fresh_build_with(monkeypatch, tmp_path, script: str) -> None:
 
 def test_concurrent_builders_of_one_library_compile_it_once(tmp_path):
     """Workers started together wait on the build lock for the first one's library (a fake compiler that
-    counts its runs and writes a placeholder, slowly enough that all four builders overlap)."""
+    counts its runs and writes a placeholder, slowly enough that all four builders overlap): one
+    build, a compile of each unit and a link."""
     runs = tmp_path / "runs"
     cc = tmp_path / "cc"
     cc.write_text('#!/bin/sh\necho run >> "' + str(runs) + '"\nsleep 0.5\n'
@@ -188,7 +189,7 @@ def test_concurrent_builders_of_one_library_compile_it_once(tmp_path):
     with ThreadPoolExecutor(4) as pool:
         paths = list(pool.map(lambda _: cpu_native.build(str(cc), out), range(4)))
     assert len(set(paths)) == 1 and paths[0].read_text() == "fake\n"
-    assert runs.read_text().splitlines() == ["run"]
+    assert runs.read_text().splitlines() == ["run"] * (len(cpu_native.UNITS) + 1)  # the units, then the link
     assert sorted(p.suffix for p in out.iterdir()) == [".lock", ".so"]  # no temporaries left
 
 
