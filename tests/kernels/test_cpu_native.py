@@ -599,3 +599,22 @@ def test_the_isa_kernel_option_parses_a_variant_and_names_a_bad_one():
     assert KernelOptions.parse(["isa=AVX2"]).isa == "avx2" and KernelOptions().isa == "auto"
     with pytest.raises(ValueError, match="kernel option isa must be one of .*'avx2'.*got 'sse9'"):
         KernelOptions.parse(["isa=sse9"])
+
+
+_FAIL_ON_GEMM = 'for a in "$@"; do case "$a" in *gemm.c) echo boom >&2; exit 1;; esac; done\n'
+_FAIL_ON_LINK = ('link=1\nfor a in "$@"; do [ "$a" = -c ] && link=0; done\n'
+                 '[ $link = 1 ] && { echo boom >&2; exit 1; }\n')
+
+
+@pytest.mark.parametrize("script, named", [(_FAIL_ON_GEMM, "failed on gemm.c: boom"),
+                                           (_FAIL_ON_LINK, "failed linking .*common.c.*: boom")])
+def test_a_failed_unit_or_link_is_named_and_leaves_nothing(tmp_path, script, named):
+    """The units compile one by one (in parallel), then link: whichever fails is named, with what the
+    compiler said, and no library or object is left behind."""
+    cc = tmp_path / "cc"
+    cc.write_text("#!/bin/sh\n" + script + 'while [ "$1" != -o ]; do shift; done\necho fake > "$2"\n')
+    cc.chmod(0o755)
+    out = tmp_path / "native"
+    with pytest.raises(RuntimeError, match=named):
+        cpu_native.build(str(cc), out)
+    assert [p.suffix for p in out.iterdir()] == [".lock"]
