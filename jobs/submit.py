@@ -41,6 +41,7 @@ from jobs.manifest import (
     ShardWriter,
     jobs_root,
     new_job_id,
+    shard_sizes,
     write_manifest,
 )
 from jobs.shards.ledger import ShardLedger
@@ -247,11 +248,9 @@ def publish_job(manifest: JobManifest, broker: BrokerSettings) -> None:
     store = Store(manifest.data_dir)
     store.record_job(job_record(manifest))
     ledger = ShardLedger(manifest.data_dir, manifest.job_id, store)
-    for start in range(0, len(manifest.shards), QUEUED_EVENTS_PER_PART):  # memory bounded by a part
-        ledger.queue_new((s.shard_id, s.num_requests)
-                         for s in manifest.shards[start:start + QUEUED_EVENTS_PER_PART])
-    for shard in manifest.shards:
-        publish_shard(broker, manifest.job_id, shard.shard_id)
+    ledger.queue_new(shard_sizes(manifest.shards), per_part=QUEUED_EVENTS_PER_PART)  # bounded by a part
+    for shard_id in range(len(manifest.shards)):  # nothing kept per shard (a 100M-row job has 390,625)
+        publish_shard(broker, manifest.job_id, shard_id)
 
 
 def job_record(manifest: JobManifest) -> JobRecord:
