@@ -87,6 +87,7 @@ def submit_child(source: Path, data_dir: Path, shard_size: int | None, tree: Pat
 def print_trace(trace: dict) -> None:
     """One line per phase of a traced submit (MB)."""
     mb = lambda v: f"{v / 1e6:,.0f}" if isinstance(v, (int, float)) else "-"
+    print(f"  (Arrow C++'s default pool: {trace.get('arrow_pool')})")
     print(f"  {'phase':<14} {'wall s':>8} {'RSS in':>7} {'RSS out':>7} {'RSS max':>7} {'anon max':>8} "
           f"{'heap used':>9} {'heap free':>9} {'arrow':>6} {'py objs':>9} {'trim':>6}")
     for ph in trace["phases"]:

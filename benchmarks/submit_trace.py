@@ -132,7 +132,9 @@ class Trace:
         with self.lock:
             self._close()
         step = max(1, len(self.series) // SERIES_POINTS)
-        return {"phases": self.phases, "series": self.series[::step], "glibc": LIBC is not None}
+        pa = sys.modules.get("pyarrow")
+        return {"phases": self.phases, "series": self.series[::step], "glibc": LIBC is not None,
+                "arrow_pool": pa.default_memory_pool().backend_name if pa is not None else None}
 
     def _sample(self) -> None:
         while not self.done.wait(SAMPLE_S):
@@ -182,14 +184,17 @@ def main() -> None:
     argv = sys.argv[1:]
     split = argv.index("--")
     out, opts, cli_args = argv[0], argv[1:split], argv[split + 1:]
+    import jobs.cli
+
+    # what jobs.cli.main does before any command imports pyarrow, done before `install` imports it
+    getattr(jobs.cli, "set_arrow_allocator", lambda: None)()
     trace = Trace(use_tracemalloc="--tracemalloc" in opts, trim="--trim" in opts)
     wrapped = install(trace)
-    from jobs.cli import main as cli_main
 
     sys.argv = ["batchgen", *cli_args]
     code = 0
     try:
-        cli_main()
+        jobs.cli.main()
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:

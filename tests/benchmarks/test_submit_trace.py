@@ -25,4 +25,5 @@ def test_a_traced_submit_reports_every_phase_in_order(tmp_path):
         assert p["rss_out"] <= p["hwm_out"], p
         if trace["glibc"]:
             assert p["heap_in_use"] > 0 and "trim_gave_back" in p, p
+    assert trace["arrow_pool"] == "system"  # as `batchgen submit` runs (jobs.cli.set_arrow_allocator)
     assert not (tmp_path / "data.trace.json").exists()
