@@ -110,8 +110,11 @@ def _one_kind(paths: list[Path], source: str) -> list[Path]:
 
 
 def open_parquet(path: Path) -> pq.ParquetFile:
+    """`path` opened for reading batch by batch. Not pre-buffered: pyarrow's default (pre_buffer) keeps
+    every column chunk it read, in 32 MiB ranges, until the file is closed: reading 30M rows of a
+    100M-row input held 274 MB that way, 93 MB without, no slower (docs/benchmarks.md, issue 38)."""
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(path, pre_buffer=False)
     except (OSError, pa.ArrowException) as exc:
         raise InputError(f"{path}: not a readable Parquet file ({_first_line(exc)})") from exc
 

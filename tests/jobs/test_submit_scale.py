@@ -10,6 +10,7 @@ import sys
 import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -249,6 +250,21 @@ def test_submit_memory_does_not_grow_with_the_rows(tmp_path, monkeypatch):
     large = _peak_during_submit(tmp_path, 240_000)
     assert large[0] < small[0] * 1.3 + 1_000_000, (small, large)
     assert large[1] < 8_000_000 < 240_000 * 70, (small, large)  # the input: about 70 bytes a row in Arrow
+
+
+def test_the_input_is_read_without_keeping_what_was_read(tmp_path):
+    """pyarrow pre-buffers by default and keeps every column chunk it read until the file is closed: a
+    100M-row input held its whole compressed size (issue 38). Reading here holds about a row group."""
+    rng = np.random.default_rng(0)
+    src = tmp_path / "in.parquet"
+    with pq.ParquetWriter(src, pa.schema([("id", pa.string()), ("prompt", pa.string())])) as w:
+        for start in range(0, 200_000, 5_000):  # 40 row groups of poorly compressible prompts
+            w.write_table(pa.table({"id": [f"i{start + i}" for i in range(5_000)],
+                                    "prompt": pa.array(rng.integers(0, 10**15, 5_000)).cast(pa.string())}))
+    size, base, peak, rows = src.stat().st_size, pa.total_allocated_bytes(), 0, 0
+    for batch, _ in submit_mod._open_input(src).batches():
+        peak, rows = max(peak, pa.total_allocated_bytes() - base), rows + batch.num_rows
+    assert rows == 200_000 and peak < size / 4, (peak, size)
 
 
 def test_shard_sizes_are_the_shards_ids_and_row_counts(tmp_path):
