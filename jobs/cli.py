@@ -108,10 +108,10 @@ def set_arrow_allocator() -> None:
     """Arrow's default memory pool: the system allocator, unless $ARROW_DEFAULT_MEMORY_POOL chose one.
 
     pyarrow's default, mimalloc, keeps the pages it freed in its arenas: `batchgen submit` of 10M rows
-    held 207 MB at the end of its shard writing (146 MB at 1M) and peaked at 382 MB; with the system
-    allocator 134 MB (126 MB at 1M) and 314 MB (docs/benchmarks.md, issue 38). `jobs.submit` also
-    sets pyarrow's own pool, but the Parquet writer allocates from Arrow C++'s default pool, which
-    only this variable chooses, and only before pyarrow is imported (jobs.cli imports none)."""
+    held 209 MB at the end of its shard writing, 148 MB with the system allocator (docs/benchmarks.md,
+    issue 38). `jobs.submit` also sets pyarrow's own pool, but the Parquet writer allocates from Arrow
+    C++'s default pool, which only this variable chooses, and only before pyarrow is imported
+    (jobs.cli imports none)."""
     os.environ.setdefault(ARROW_POOL_ENV, "system")
 
 

@@ -91,9 +91,9 @@ def prepare_job(req: JobRequest, broker: BrokerSettings) -> JobManifest:
     staging = jobs_root(data_dir) / f".staging-{job_id}-{new_uid()}"
     staging.mkdir(parents=True)
     pool = pa.default_memory_pool()
-    # Arrow's default mimalloc keeps the pages it freed in its arenas, on transparent huge pages: over
-    # a 100M-row input the resident size grew by ~5 bytes a row while live Arrow memory stayed ~4 MB.
-    # The system allocator gives them back.
+    # Arrow's default mimalloc keeps the pages it freed in its arenas, on transparent huge pages: the
+    # system allocator gives them back. This is pyarrow's pool; Arrow C++'s (the Parquet writer's) is
+    # chosen before pyarrow is imported (jobs.cli.set_arrow_allocator).
     pa.set_memory_pool(pa.system_memory_pool())
     try:
         manifest = _write_shards(req, files, staging, data_dir, job_id, defaults, broker, now)
