@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import os
 import sys
 
 import click
@@ -82,10 +83,11 @@ def main() -> None:
     """Run the CLI; an error of the environment (a full disk, a read-only or vanished directory) or
     a damaged file of the data dir that no command turned into its own message ends in one line and
     exit 1, never a traceback. The engine's OpenMP waiting is set first, before any command loads
-    torch (libgomp reads it then)."""
+    torch (libgomp reads it then), and Arrow's allocator before any command loads pyarrow."""
     from engine.openmp import set_openmp_defaults
 
     set_openmp_defaults()
+    set_arrow_allocator()
     try:
         cli()
     except OSError as exc:
@@ -97,6 +99,20 @@ def main() -> None:
             raise
         click.echo(f"Error: {message}", err=True)
         sys.exit(1)
+
+
+ARROW_POOL_ENV = "ARROW_DEFAULT_MEMORY_POOL"  # Arrow C++ reads it once, when pyarrow is imported
+
+
+def set_arrow_allocator() -> None:
+    """Arrow's default memory pool: the system allocator, unless $ARROW_DEFAULT_MEMORY_POOL chose one.
+
+    pyarrow's default, mimalloc, keeps the pages it freed in its arenas: `batchgen submit` of 10M rows
+    held 209 MB at the end of its shard writing, 148 MB with the system allocator (docs/benchmarks.md,
+    issue 38). `jobs.submit` also sets pyarrow's own pool, but the Parquet writer allocates from Arrow
+    C++'s default pool, which only this variable chooses, and only before pyarrow is imported
+    (jobs.cli imports none)."""
+    os.environ.setdefault(ARROW_POOL_ENV, "system")
 
 
 def describe_data_error(exc: Exception) -> str | None:

@@ -30,7 +30,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
 
 from jobs.manifest import JobPaths
 from jobs.shards.leases import AttemptView, Lease, LeaseState, ShardLeases
@@ -72,11 +76,22 @@ class ShardLedger:
         return self.paths.cancel_marker.exists()
 
     # -- queue
-    def queue_new(self, shards: Iterable[tuple[int, int]]) -> None:
-        """A new job's shards, as (shard id, rows): queued for their first attempt."""
-        now = time.time()
-        self._events([self._event(shard_id, ShardState.QUEUED, now, num_requests=rows)
-                      for shard_id, rows in shards])
+    def queue_new(self, shards: Iterable[tuple[int, int]], per_part: int = 65_536) -> None:
+        """A new job's shards, as (shard id, rows): queued for their first attempt, `per_part` events a
+        store part. The events are built as columns a part at a time, so what this holds is bounded by
+        a part, whatever the job's shard count (`shards` may be a generator: jobs.manifest.shard_sizes)."""
+        now, shards = time.time(), iter(shards)
+        while True:
+            ids, rows = np.empty(per_part, np.int64), np.empty(per_part, np.int64)
+            taken = 0
+            for shard_id, num_requests in islice(shards, per_part):
+                ids[taken], rows[taken] = shard_id, num_requests
+                taken += 1
+            if taken:
+                self.store.record_queued_shards(self.job_id, pa.array(ids[:taken]), pa.array(rows[:taken]),
+                                                now)  # ShardState.QUEUED's event
+            if taken < per_part:
+                return
 
     def queue(self, shard_id: int, reason: str, *, mark_latest: bool = False) -> None:
         """Queue a shard's next attempt (a retry, a resume, a dead attempt re-queued). `mark_latest`

@@ -31,7 +31,8 @@ Public API:
 
 - write: `Store(data_dir)` -> `begin_attempt(...)` -> `ShardAttempt.add_outputs / add_requests /
   add_request / flush / commit / fail / cancel`; `telemetry_buffer(worker_id)` -> `TelemetryBuffer`;
-  `record_job`, `record_shard_events`, `request_cancel`, `record_sweep`, `committed` (`parts.py`);
+  `record_job`, `record_shard_events` (`record_queued_shards`: a new job's, as columns),
+  `request_cancel`, `record_sweep`, `committed` (`parts.py`);
   records `JobRecord`, `ShardEvent`, `SweepRecord`, `CommitRecord` (`schemas.py`).
 - read: `connect(data_dir, read_only_user_sql=False, views=None) -> duckdb.DuckDBPyConnection` (`views`:
   only some views, e.g. `STATUS_VIEWS`),

@@ -5,6 +5,7 @@ Callers (the worker runtime, the submitter, `batchgen sweep`) go through `Store`
     store = Store(data_dir)                                   # sets up DATA_DIR/store (idempotent)
     store.record_job(JobRecord(...))                          # at submission
     store.record_shard_events([ShardEvent(..., "queued")])    # one part for many events
+    store.record_queued_shards(job_id, shard_ids, num_requests, ts)   # a new job's, as columns
     attempt = store.begin_attempt(job_id, shard_id, attempt=1, worker_id="w1")   # writes "running"
     attempt.add_outputs([{"request_id": "7", "output_text": "...", "finish_reason": "stop",
                           "prompt_tokens": 12, "output_tokens": 30, "error": None, "topic": "x"}])
@@ -533,6 +534,25 @@ class Store:
         for job_id, rows in by_job.items():
             self._write_records("shard_events", job_id, job_id, rows)
 
+    def record_queued_shards(self, job_id: str, shard_ids: pa.Array, num_requests: pa.Array,
+                             ts: float) -> None:
+        """A new job's shards queued for their first attempt, as one part: the rows `record_shard_events`
+        writes for `ShardEvent(job_id, shard_id, "queued", ts, num_requests=n)`, built as columns from
+        two int64 arrays (a 100M-row job queues 390,625 shards: no Python object per shard)."""
+        check_id("job_id", job_id)
+        n = len(shard_ids)
+        if len(num_requests) != n:
+            raise StoreError(f"{n} shard ids but {len(num_requests)} row counts")
+        if n == 0:
+            return
+        text = lambda value: pa.repeat(pa.scalar(value, pa.string()), n)
+        table = pa.table({"job_id": text(job_id), "shard_id": shard_ids, "event": text("queued"),
+                          "ts": pa.repeat(pa.scalar(float(ts), pa.float64()), n),
+                          "attempt": pa.repeat(pa.scalar(0, pa.int64()), n), "worker_id": text(""),
+                          "error": pa.nulls(n, pa.string()), "num_requests": num_requests,
+                          ATTEMPT_ID_COLUMN: text("")})
+        self._write_records("shard_events", job_id, job_id, table)
+
     def record_sweep(self, records: SweepRecord | Sequence[SweepRecord]) -> None:
         records = [records] if isinstance(records, SweepRecord) else list(records)
         for sweep_id in {r.sweep_id for r in records}:
@@ -576,7 +596,7 @@ class Store:
             log.warning("store %s: compacting %s of %s after a write failed (the janitor will): %s",
                         self.layout.root, "/".join(kinds), group, exc)
 
-    def _write_records(self, kind: str, group: str, prefix: str, rows: list[dict]) -> str:
+    def _write_records(self, kind: str, group: str, prefix: str, rows: Rows) -> str:
         if kind == "job_events":
             _check_values(pa.table({"event": [r["event"] for r in rows]}), kind, "event", JOB_EVENTS)
         table = build_table(rows, schemas.KIND_SCHEMAS[kind], kind=kind)

@@ -100,8 +100,8 @@ def test_cancel_is_written_once_for_workers_and_views(ledger):
 
 
 # the write primitives of the lease files and the store's shard lifecycle
-WRITES = {"record_shard_events", "request_cancel", "begin_attempt", "try_claim", "mark_requeued",
-          "mark_republished"}
+WRITES = {"record_shard_events", "record_queued_shards", "request_cancel", "begin_attempt", "try_claim",
+          "mark_requeued", "mark_republished"}
 OWNERS = {"jobs/shards/ledger.py", "jobs/shards/leases.py"}
 
 

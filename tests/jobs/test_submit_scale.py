@@ -4,8 +4,13 @@ manifest (no shard list) beside version 1 ones, and a reader that never holds th
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import tracemalloc
+from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -13,6 +18,7 @@ import pytest
 from jobs import input_contract
 from jobs import submit as submit_mod
 from jobs.broker import resolve_broker
+from jobs.cli import ARROW_POOL_ENV
 from jobs.input_contract import InputError, RequestIds
 from jobs.manifest import (
     MANIFEST_VERSION,
@@ -26,8 +32,10 @@ from jobs.manifest import (
     shard_sizes,
     write_manifest,
 )
+from jobs.shards.ledger import ShardLedger
 from jobs.status import job_status
-from jobs.store import Store
+from jobs.store import ShardEvent, Store, StoreError
+from jobs.store.schemas import PART_COLUMN
 from jobs.submit import JobRequest, job_config_json, prepare_job, publish_job
 
 
@@ -163,6 +171,48 @@ def test_queued_events_are_written_a_part_at_a_time(tmp_path, monkeypatch):
     assert Store(m.data_dir).committed(m.job_id, 10) is None
 
 
+def test_queued_events_as_columns_are_the_rows_of_their_shard_events(tmp_path):
+    as_events, as_columns = Store(tmp_path / "events"), Store(tmp_path / "columns")
+    as_events.record_shard_events([ShardEvent("job-c", s, "queued", 12.5, num_requests=n)
+                                   for s, n in [(0, 4), (1, 4), (2, 1)]])
+    as_columns.record_queued_shards("job-c", pa.array([0, 1, 2], pa.int64()), pa.array([4, 4, 1], pa.int64()),
+                                    12.5)
+    parts = [list((tmp_path / name).rglob("*shard_events*.parquet")) for name in ("events", "columns")]
+    assert [len(p) for p in parts] == [1, 1]
+    one, other = (pq.read_table(p[0]) for p in parts)
+    assert one.drop_columns([PART_COLUMN]).equals(other.drop_columns([PART_COLUMN]))
+    assert one.schema == other.schema
+    with pytest.raises(StoreError, match="2 shard ids but 1 row counts"):
+        as_columns.record_queued_shards("job-c", pa.array([0, 1]), pa.array([4]), 1.0)
+
+
+def _queue_peak(data_dir, num_shards: int) -> int:
+    """Peak Python heap while the ledger queues a new job of `num_shards` shards (as publish_job does)."""
+    ledger = ShardLedger(data_dir, f"job-{num_shards}")
+    shards = RegularShards(JobPaths.of(data_dir, f"job-{num_shards}"), num_shards * 3 - 1, 3)
+    tracemalloc.start()
+    try:
+        ledger.queue_new(shard_sizes(shards), per_part=submit_mod.QUEUED_EVENTS_PER_PART)
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_queueing_a_jobs_shards_holds_nothing_per_shard(tmp_path):
+    """Ten times the shards, each time in one part of `queued` events: the same peak of Python's heap.
+    An object per shard (a ShardEvent and its row dict, as before, about 500 bytes a shard) made it
+    2.4 MB at 4,000 shards and 22 MB at 40,000."""
+    data_dir = tmp_path / "data"
+    _queue_peak(data_dir, 50)  # the store's layout and catalog, once
+    small, large = _queue_peak(data_dir, 4_000), _queue_peak(data_dir, 40_000)
+    assert large < small + 1_000_000, (small, large)
+    parts = list(data_dir.rglob("*job-40000*shard_events*.parquet"))
+    table = pa.concat_tables(pq.read_table(p) for p in parts)
+    assert len(parts) == 1 and table.column("shard_id").to_pylist() == list(range(40_000))
+    assert table.column("num_requests").to_pylist() == [3] * 39_999 + [2]
+    assert set(table.column("event").to_pylist()) == {"queued"}
+
+
 def _peak_during_submit(tmp_path, rows: int) -> tuple[int, int]:
     """(peak Python heap bytes, peak Arrow pool bytes) while submitting `rows` rows (many row groups)."""
     src = tmp_path / f"in-{rows}.parquet"
@@ -202,9 +252,38 @@ def test_submit_memory_does_not_grow_with_the_rows(tmp_path, monkeypatch):
     assert large[1] < 8_000_000 < 240_000 * 70, (small, large)  # the input: about 70 bytes a row in Arrow
 
 
+def test_the_input_is_read_without_keeping_what_was_read(tmp_path):
+    """pyarrow pre-buffers by default and keeps every column chunk it read until the file is closed: a
+    100M-row input held its whole compressed size (issue 38). Reading here holds about a row group."""
+    rng = np.random.default_rng(0)
+    src = tmp_path / "in.parquet"
+    with pq.ParquetWriter(src, pa.schema([("id", pa.string()), ("prompt", pa.string())])) as w:
+        for start in range(0, 200_000, 5_000):  # 40 row groups of poorly compressible prompts
+            w.write_table(pa.table({"id": [f"i{start + i}" for i in range(5_000)],
+                                    "prompt": pa.array(rng.integers(0, 10**15, 5_000)).cast(pa.string())}))
+    size, base, peak, rows = src.stat().st_size, pa.total_allocated_bytes(), 0, 0
+    for batch, _ in submit_mod._open_input(src).batches():
+        peak, rows = max(peak, pa.total_allocated_bytes() - base), rows + batch.num_rows
+    assert rows == 200_000 and peak < size / 4, (peak, size)
+
+
 def test_shard_sizes_are_the_shards_ids_and_row_counts(tmp_path):
     regular = RegularShards(JobPaths.of(tmp_path, "j"), 10, 4)
     assert list(shard_sizes(regular)) == [(s.shard_id, s.num_requests) for s in regular] == [(0, 4), (1, 4),
                                                                                               (2, 2)]
     listed = [ShardInfo(0, "a", 3, 0), ShardInfo(1, "b", 5, 3)]
     assert list(shard_sizes(listed)) == [(0, 3), (1, 5)]
+
+
+@pytest.mark.parametrize("preset", [None, "mimalloc"])
+def test_the_cli_gives_arrow_the_system_allocator_unless_one_was_chosen(preset):
+    """Arrow C++'s default pool (the Parquet writer's) is chosen once, when pyarrow is imported: the CLI
+    sets it first, so a submit's shard writing keeps no freed pages (issue 38)."""
+    code = ("import jobs.cli as c; "
+            "c.cli = lambda: print(__import__('pyarrow').default_memory_pool().backend_name); c.main()")
+    env = {k: v for k, v in os.environ.items() if k != ARROW_POOL_ENV}
+    if preset:
+        env[ARROW_POOL_ENV] = preset
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2], check=True)
+    assert done.stdout.split() == [preset or "system"]
