@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import tempfile
 
+import duckdb
 import pyarrow.parquet as pq
 from flask import Blueprint, abort, current_app, jsonify, render_template, request, send_file
 
 from dashboard import data, series
 from dashboard.db import get_db
 from dashboard.queries import JOB_OUTPUTS_ALL
-from jobs.store import StoreError, check_id
+from jobs.store import StoreError, UserSqlError, check_id, unreadable_part_message
 
 bp = Blueprint("jobs", __name__)
 
@@ -94,13 +95,16 @@ def download_outputs(job_id: str):
     """Stream the job's outputs through a temporary file (never the whole table as one buffer)."""
     job, _ = existing_job(job_id)
     db = get_db()
-    reader = db.sql(JOB_OUTPUTS_ALL, params={"job_id": job.job_id}).to_arrow_reader()
     spool = tempfile.TemporaryFile()
     try:
+        reader = db.sql(JOB_OUTPUTS_ALL, params={"job_id": job.job_id}).to_arrow_reader()
         with pq.ParquetWriter(spool, reader.schema, compression="zstd") as writer:
             for batch in reader:
                 writer.write_batch(batch)
-    except BaseException:  # an unreadable part met mid-way: the error page says which
+    except duckdb.Error as exc:  # an unreadable part: the error page (503) names it and the way back
+        spool.close()
+        raise UserSqlError(unreadable_part_message(str(exc))) from exc
+    except BaseException:
         spool.close()
         raise
     spool.seek(0)
