@@ -14,6 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
 BACKENDS = ("auto", "torch", "triton", "cpu-native")
+# KernelOptions.isa's values: auto, then kernels.cpu_native's VARIANTS and NATIVE (which imports this
+# module; tests/kernels/test_cpu_native.py keeps the two lists the same)
+ISAS = ("auto", "avx2", "avx512", "avx512bf16", "amx", "native")
 
 
 @dataclass(frozen=True)
@@ -35,12 +38,8 @@ class KernelOptions:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"kernel backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.isa != "auto":
-            from kernels import cpu_native  # it reads these options: imported here, not at the top
-
-            isas = ("auto", *cpu_native.VARIANTS, cpu_native.NATIVE)
-            if self.isa not in isas:
-                raise ValueError(f"kernel option isa must be one of {isas}, got {self.isa!r}")
+        if self.isa not in ISAS:
+            raise ValueError(f"kernel option isa must be one of {ISAS}, got {self.isa!r}")
         for f in fields(self):
             value = getattr(self, f.name)
             optional = value is None and f.name == "attn_stream"

@@ -594,7 +594,9 @@ def test_tiled_prefill_declines_what_it_does_not_take_and_ops_fall_back_to_rows(
 
 
 def test_the_isa_kernel_option_parses_a_variant_and_names_a_bad_one():
-    from kernels.options import KernelOptions
+    from kernels.options import ISAS, KernelOptions
+
+    assert ISAS == ("auto", *cpu_native.VARIANTS, cpu_native.NATIVE)
 
     assert KernelOptions.parse(["isa=AVX2"]).isa == "avx2" and KernelOptions().isa == "auto"
     with pytest.raises(ValueError, match="kernel option isa must be one of .*'avx2'.*got 'sse9'"):
