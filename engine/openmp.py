@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, MutableMapping
 
+from kernels.cpu_features import usable_cpus
+
 THREADS_ENV = "OMP_NUM_THREADS"
 
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
@@ -66,7 +68,4 @@ def engine_threads(configured: int | None = None, environ: Mapping[str, str] | N
         if value < 1:
             raise ValueError(f"{THREADS_ENV} must be >= 1, got {raw!r}")
         return value
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+    return usable_cpus()

@@ -33,6 +33,14 @@ def _cpuinfo_field(*names: str) -> str:
 
 
 @functools.cache
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask; the machine's count where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def cpu_flags() -> frozenset[str]:
     """The first processor's `flags` line from /proc/cpuinfo (empty where there is none)."""
     return frozenset(_cpuinfo_field("flags", "Features").split())

@@ -210,8 +210,7 @@ def _compile_and_link(cc: str, flags: list[str], units: list[Path], objs: Path, 
         why = f"{cc} failed on {path.name}: {proc.stderr.strip()[-2000:]}"
         return obj, None if proc.returncode == 0 else why
 
-    workers = max(1, min(len(units), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                         else os.cpu_count() or 1))
+    workers = max(1, min(len(units), cpu_features.usable_cpus()))
     with ThreadPoolExecutor(workers) as pool:
         results = list(pool.map(compile_one, enumerate(units)))
     failed = [why for _, why in results if why]
