@@ -16,7 +16,7 @@ import time
 
 import duckdb
 
-from jobs.store import connect, unreadable_part_message
+from jobs.store import connect, pin_listing, unreadable_part_message
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def fetch_rows(con, sql: str, params: list | None = None) -> list[dict]:
     to FETCH_TRIES times in all."""
     for attempt in range(FETCH_TRIES):
         try:
+            pin_listing(con)  # the store's files listed once for this try
             cur = con.execute(sql, params or [])
             break
         except duckdb.IOException:

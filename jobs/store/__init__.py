@@ -35,7 +35,8 @@ Public API:
   `request_cancel`, `record_sweep`, `committed` (`parts.py`);
   records `JobRecord`, `ShardEvent`, `SweepRecord`, `CommitRecord` (`schemas.py`).
 - read: `connect(data_dir, read_only_user_sql=False, views=None) -> duckdb.DuckDBPyConnection` (`views`:
-  only some views, e.g. `STATUS_VIEWS`),
+  only some views, e.g. `STATUS_VIEWS`); `pin_listing(con)`: the store's files listed once for the next
+  queries, compaction's merged inputs left out (`listing.py`; `run_query` does it before each query),
   `write_catalog(data_dir)` (`catalog.py`); `run_query`, `run_user_query`, `QueryResult`,
   `UserSqlError`, `QueryTimeout` (`usersql.py`); `QUERIES`, `run_named`, `README_EXAMPLES`
   (`queries.py`).
@@ -73,6 +74,7 @@ from jobs.store.layout import (
     new_uid,
     write_atomic,
 )
+from jobs.store.listing import pin as pin_listing
 from jobs.store.parts import ShardAttempt, Store, TelemetryBuffer
 from jobs.store.queries import QUERIES, README_EXAMPLES, run_named
 from jobs.store.schemas import (
@@ -105,7 +107,7 @@ __all__ = [
     "README_EXAMPLES", "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout",
     "ShardAttempt", "ShardEvent", "Store", "StoreError", "SweepRecord", "TelemetryBuffer", "UserSqlError",
     "WorkerRecord", "check_id", "collect_garbage", "compact", "compact_job", "compact_telemetry", "connect",
-    "new_uid", "no_worker_warning", "read_worker_records", "run_named", "run_query", "run_user_query",
-    "write_atomic", "write_catalog",
+    "new_uid", "no_worker_warning", "pin_listing", "read_worker_records", "run_named", "run_query",
+    "run_user_query", "write_atomic", "write_catalog",
     "write_worker_record",
 ]

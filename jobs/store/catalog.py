@@ -65,6 +65,7 @@ from pathlib import Path
 import duckdb
 
 from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, SCHEMA_VERSION, Layout, init_data_dir
+from jobs.store.listing import DATA_DIR_MACRO, LISTING_VARIABLE, MAX_AGE_S, pin
 from jobs.store.schemas import KINDS
 
 log = logging.getLogger(__name__)
@@ -84,30 +85,43 @@ def clock_skew_s() -> float:
     return float(os.environ.get(CLOCK_SKEW_ENV, "0") or 0)
 
 
-def _now_s() -> str:
-    """now() (the query's transaction start) in epoch seconds, minus the allowed clock skew."""
-    return f"(epoch_us(now()) / 1e6 - {clock_skew_s():.6f})"
+# whether this query reads the files `listing.pin` listed (young enough), not the globs
+_PINNED = (f"coalesce(getvariable('{LISTING_VARIABLE}').listed_at >= epoch_us(now()) / 1e6 - {MAX_AGE_S}, "
+           "false)")
+
+
+def _now_s(listed: bool = False) -> str:
+    """The query's time in epoch seconds, minus the allowed clock skew: now() (its transaction start),
+    or with `listed` (the views of `connect`), the time of the pinned listing when it reads one."""
+    now = "epoch_us(now()) / 1e6"
+    if listed:
+        now = f"CASE WHEN {_PINNED} THEN getvariable('{LISTING_VARIABLE}').listed_at ELSE {now} END"
+    return f"({now} - {clock_skew_s():.6f})"
 
 
 def _scan_sql(layout: Layout, kind: str, relative_to: Path | None = None) -> str:
     """Every row of a kind once: per raw part (`_bg_part`), from the first active compacted file holding
     it, else from the raw part itself when this scan lists it, else from the first compacted file holding
     it (the part was merged and deleted: see the module docstring). One listing decides for the whole
-    scan (the CTE is materialized: read once). With `relative_to`, the glob is relative to that
-    directory (the catalog file's views)."""
-    glob = layout.glob(kind) if relative_to is None else os.path.relpath(layout.glob(kind), relative_to)
+    scan (the CTE is materialized: read once): the pinned one (`listing.pin`) while it is young, else
+    the glob's. With `relative_to`, the glob is relative to that directory (the catalog file's views,
+    which read the glob only)."""
+    listed = relative_to is None
+    glob = layout.glob(kind) if listed else os.path.relpath(layout.glob(kind), relative_to)
+    files = (f"CASE WHEN {_PINNED} THEN getvariable('{LISTING_VARIABLE}').{kind} ELSE [{_q(glob)}] END"
+             if listed else _q(glob))
     # compacted files: <kind>/compacted/<group>/c<10**16 - epoch_us>~<uid>.parquet (compact._compacted_name);
     # told apart by name, not by a path prefix, as DuckDB may report a relative glob's files resolved
     named_at = "(1e16 - TRY_CAST(regexp_extract(_bg_file, '/c([0-9]{16})~[^/]*$', 1) AS DOUBLE)) / 1e6"
     return f"""
 WITH s AS MATERIALIZED (
     SELECT *, regexp_matches(_bg_file, '/compacted/[^/]+/c[0-9]{{16}}~[^/]*$') AS _bg_compacted
-    FROM read_parquet({_q(glob)}, union_by_name = true, hive_partitioning = false,
+    FROM read_parquet({files}, union_by_name = true, hive_partitioning = false,
                       filename = '_bg_file')
 ), pick AS (
     SELECT _bg_part, coalesce(
         min(_bg_file) FILTER (WHERE _bg_compacted
-                              AND {named_at} + {ACTIVATION_DELAY_S + clock_skew_s():.6f} <= {_now_s()}),
+                              AND {named_at} + {ACTIVATION_DELAY_S + clock_skew_s():.6f} <= {_now_s(listed)}),
         CASE WHEN NOT bool_or(NOT _bg_compacted) THEN min(_bg_file) END) AS _bg_file
     FROM s GROUP BY _bg_part
 )
@@ -117,13 +131,14 @@ WHERE (a._bg_file IS NULL AND NOT s._bg_compacted) OR a._bg_file = s._bg_file
 """
 
 
-def _winners_sql() -> str:
+def _winners_sql(listed: bool = False) -> str:
     """The commit that counts per shard: the first, among those no revocation (`lost`) names. One scan
-    of the commits (a revocation is a commits row of the same attempt id): each scan lists every file."""
+    of the commits (a revocation is a commits row of the same attempt id): each scan lists every file.
+    `listed`: the fence is the pinned listing's time when the scans read it (`_now_s`)."""
     return f"""
 SELECT * EXCLUDE (lost, _bg_revoked) FROM (
     SELECT *, bool_or(lost IS NOT NULL) OVER (PARTITION BY _bg_attempt_id) AS _bg_revoked
-    FROM _bg.scan_commits WHERE committed_ts <= {_now_s()}
+    FROM _bg.scan_commits WHERE committed_ts <= {_now_s(listed)}
 )
 WHERE lost IS NULL AND NOT _bg_revoked
 QUALIFY row_number() OVER (PARTITION BY job_id, shard_id ORDER BY committed_ts, _bg_attempt_id) = 1
@@ -278,8 +293,8 @@ def view_definitions(layout: Layout, relative_to: Path | None = None) -> list[tu
     or relative to `relative_to` (the catalog file's, so a copied or moved data dir reads its own files)."""
     views = [(f"{INTERNAL_SCHEMA}.scan_{kind}", _scan_sql(layout, kind, relative_to)) for kind in KINDS]
     views += [
-        ("_bg.winners", _winners_sql()), ("_bg.job_records", _JOB_RECORDS), ("_bg.cancels", _CANCELS),
-        ("_bg.shard_event_agg", _SHARD_EVENT_AGG),
+        ("_bg.winners", _winners_sql(relative_to is None)), ("_bg.job_records", _JOB_RECORDS),
+        ("_bg.cancels", _CANCELS), ("_bg.shard_event_agg", _SHARD_EVENT_AGG),
         ("outputs", _OUTPUTS), ("requests", _REQUESTS), ("requests_live", _REQUESTS_LIVE),
         ("iterations", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_iterations"),
         ("sweeps", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_sweeps"),
@@ -334,7 +349,7 @@ def create_views(con: duckdb.DuckDBPyConnection, layout: Layout, relative_to: Pa
             if kind is None:
                 con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
             else:
-                _create_scan(con, name, select)
+                _create_scan(con, name, select, layout if relative_to is None else None)
         except (duckdb.IOException, duckdb.InvalidInputException) as exc:
             if kind is None:
                 raise
@@ -344,10 +359,12 @@ def create_views(con: duckdb.DuckDBPyConnection, layout: Layout, relative_to: Pa
     return broken
 
 
-def _create_scan(con: duckdb.DuckDBPyConnection, name: str, select: str) -> None:
-    """Create a scan's view; bind it again (list the glob anew) when a part it listed was gone before it
-    was opened: garbage collection deleted it, and the compacted file holding its rows is listed next
-    time. A part that stays unreadable through BIND_TRIES is the caller's to report."""
+def _create_scan(con: duckdb.DuckDBPyConnection, name: str, select: str,
+                 layout: Layout | None = None) -> None:
+    """Create a scan's view; bind it again (list anew: the pinned listing of `layout`'s files too, when
+    given) when a part it listed was gone before it was opened: garbage collection deleted it, and the
+    compacted file holding its rows is listed next time. A part that stays unreadable through BIND_TRIES
+    is the caller's to report."""
     for attempt in range(BIND_TRIES):
         try:
             con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
@@ -356,6 +373,8 @@ def _create_scan(con: duckdb.DuckDBPyConnection, name: str, select: str) -> None
             if attempt == BIND_TRIES - 1:
                 raise
             time.sleep(0.02 * (attempt + 1))
+            if layout is not None:
+                pin(con, layout)
 
 
 def unreadable_part_message(duckdb_error: str) -> str:
@@ -422,7 +441,12 @@ def connect_reporting(data_dir: str | os.PathLike | None = None, *, read_only_us
     try:
         if threads is not None:
             con.execute(f"SET threads = {int(threads)}")
+        con.execute(f"CREATE SCHEMA IF NOT EXISTS {INTERNAL_SCHEMA}")
+        con.execute(f"CREATE MACRO {DATA_DIR_MACRO}() AS {_q(str(layout.root))}")  # for `listing.pin`
         broken = _create_views_retrying(con, layout, views)
+        # queries run over the globs, each listing anew, unless the caller pins a listing for them
+        # (`listing.pin`: run_query and fetch_rows do, before each query)
+        con.execute(f"RESET VARIABLE {LISTING_VARIABLE}")
         for kind, message in broken.items():
             log.warning("store %s: %s parts unreadable: %s", layout.root, kind, message)
         if read_only_user_sql:
@@ -443,6 +467,7 @@ def _create_views_retrying(con: duckdb.DuckDBPyConnection, layout: Layout,
     own unreadable part is reported, not retried (`create_views`)."""
     for attempt in range(BIND_TRIES):
         try:
+            pin(con, layout)  # bind over a fresh listing (each try lists anew)
             return create_views(con, layout, views=views)
         except duckdb.IOException:
             if attempt == BIND_TRIES - 1:

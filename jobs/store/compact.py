@@ -53,6 +53,7 @@ import duckdb
 from jobs.store import catalog
 from jobs.store.catalog import connect, write_catalog
 from jobs.store.layout import Layout, StoreError, check_id, init_data_dir, new_uid, write_atomic
+from jobs.store.listing import pin, read_tombstone
 from jobs.store.schemas import JOB_KINDS
 
 GRACE_S = 600.0  # inputs of a compaction are deleted this long after it
@@ -178,8 +179,8 @@ def _merge_live(layout: Layout, kind: str, group: str, *, min_age_s: float, min_
             inputs += smallest
     if len(inputs) < 2:
         return report
-    report.rows = _merge(layout, kind, inputs, layout.compacted_dir(kind, group))
-    _write_tombstone(layout, kind, group, inputs, grace_s=LIVE_GRACE_S)
+    report.rows, output = _merge(layout, kind, inputs, layout.compacted_dir(kind, group))
+    _write_tombstone(layout, kind, group, inputs, output, grace_s=LIVE_GRACE_S)
     report.groups, report.files_in = 1, len(inputs)
     return report
 
@@ -239,8 +240,8 @@ def compact_group(layout: Layout, kind: str, group: str, *, min_age_s: float = 0
         inputs = _inputs(layout, kind, group, min_age_s)
         if len(inputs) < 2 and not any(p.parent.parent.name == "raw" for p in inputs):
             return report  # nothing, or one file that is already compacted
-        report.rows = _merge(layout, kind, inputs, layout.compacted_dir(kind, group))
-        _write_tombstone(layout, kind, group, inputs, grace_s=grace_s)
+        report.rows, output = _merge(layout, kind, inputs, layout.compacted_dir(kind, group))
+        _write_tombstone(layout, kind, group, inputs, output, grace_s=grace_s)
         report.groups, report.files_in = 1, len(inputs)
     return report
 
@@ -256,7 +257,7 @@ def collect_garbage(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S) ->
     deleted = 0
     now = time.time()
     for tomb in sorted(layout.gc.glob("*.json")):
-        info = _read_tombstone(tomb)
+        info = read_tombstone(tomb)
         if info is None or not _due(info, grace_s, now):
             continue
         with _group_lock(layout, info["kind"], info["group"]) as locked:
@@ -265,14 +266,6 @@ def collect_garbage(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S) ->
                 tomb.unlink()
     stale = [p for p in layout.tmp.iterdir() if now - _mtime(p, now) > TMP_MAX_AGE_S]
     return deleted + _delete(stale)
-
-
-def _read_tombstone(tomb: Path) -> dict | None:
-    """A tombstone's content, or None when another collector removed it meanwhile."""
-    try:
-        return json.loads(tomb.read_text())
-    except FileNotFoundError:
-        return None
 
 
 def _due(info: dict, grace_s: float, now: float) -> bool:
@@ -287,7 +280,7 @@ def _collect_group(layout: Layout, kind: str, group: str) -> int:
     """Delete the inputs of the group's tombstones that are due (its lock held); how many files."""
     deleted, now = 0, time.time()
     for tomb in sorted(layout.gc.glob(f"{kind}~{group}~*.json")):
-        info = _read_tombstone(tomb)
+        info = read_tombstone(tomb)
         if info is None or info["kind"] != kind or info["group"] != group or not _due(info, GRACE_S, now):
             continue
         deleted += _delete(layout.file(p) for p in info["files"])
@@ -316,6 +309,7 @@ def _query(layout: Layout, sql: str, params: list | None = None, tries: int = 4)
     try:
         for attempt in range(tries):
             try:
+                pin(con, layout)
                 return con.execute(sql, params or []).fetchall()
             except duckdb.IOException:
                 if attempt == tries - 1:
@@ -367,7 +361,7 @@ def _size(path: Path) -> int:
 def _merged_already(layout: Layout, kind: str, group: str) -> set[Path]:
     files: set[Path] = set()
     for tomb in layout.gc.glob(f"{kind}~{group}~*.json"):
-        info = _read_tombstone(tomb)
+        info = read_tombstone(tomb)
         if info is not None:
             files.update(layout.file(p) for p in info["files"])
     return files
@@ -379,8 +373,9 @@ def _compacted_name() -> str:
     return f"c{10**16 - time.time_ns() // 1000:016d}~{new_uid()}.parquet"
 
 
-def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> int:
-    """Write the deduplicated union of `inputs` into out_dir (temp name, then rename); rows written."""
+def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> tuple[int, Path]:
+    """Write the deduplicated union of `inputs` into out_dir (temp name, then rename); (rows written,
+    the file)."""
     files = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in inputs) + "]"
     order = f" ORDER BY {_SORT[kind]}" if kind in _SORT else ""
     tmp = layout.tmp / f"{new_uid()}.compacted.tmp"
@@ -394,18 +389,21 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> int:
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         out_dir.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, out_dir / _compacted_name())  # named at the last moment: see _compacted_name
+        output = out_dir / _compacted_name()
+        os.replace(tmp, output)  # named at the last moment: see _compacted_name
     finally:
         con.close()
         if tmp.exists():
             tmp.unlink()
-    return rows
+    return rows, output
 
 
-def _write_tombstone(layout: Layout, kind: str, group: str, inputs: list[Path],
+def _write_tombstone(layout: Layout, kind: str, group: str, inputs: list[Path], output: Path,
                      grace_s: float | None = None) -> None:
+    """Record a compaction: its inputs (deleted after the grace) and the output that holds their rows
+    (readers leave the inputs out of their listing once they list the output: `listing.list_files`)."""
     body = {"kind": kind, "group": group, "superseded_at": time.time(),
-            "files": [layout.relative(p) for p in inputs]}
+            "files": [layout.relative(p) for p in inputs], "output": layout.relative(output)}
     if grace_s is not None:  # shorter than collect_garbage's (a running job's parts: LIVE_GRACE_S)
         body["grace_s"] = grace_s
     write_atomic(layout.gc / f"{kind}~{group}~{new_uid()}.json", json.dumps(body).encode(), layout.tmp)

@@ -24,6 +24,7 @@ from typing import Any
 import duckdb
 
 from jobs.store.layout import StoreError
+from jobs.store.listing import pin
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_ROWS = 10_000
@@ -64,6 +65,7 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any] |
     removed a part the query had listed) runs it again, up to `tries` times in all."""
     for attempt in range(tries):
         try:
+            pin(con)  # the store's files listed once for this try (listing.py); nothing on other connections
             return _run_once(con, sql, params, timeout_s, max_rows)
         except UserSqlError as exc:
             if not isinstance(exc.__cause__, duckdb.IOException) or attempt == tries - 1:

@@ -15,6 +15,7 @@ from jobs.store import catalog
 from jobs.store.catalog import connect
 from jobs.store.compact import collect_garbage, compact, compact_group, compact_job
 from jobs.store.layout import Layout
+from jobs.store.listing import list_files, pin
 from jobs.store.parts import Store
 from jobs.store.schemas import JobRecord
 
@@ -37,9 +38,13 @@ def _fill(store: Store, job_id: str, shards: int = 3, parts: int = 3, commit: bo
             att.commit()
 
 
-def _snapshot(data_dir) -> dict:
+def _snapshot(data_dir, *, listed: bool = True) -> dict:
+    """Every view's rows, over a listing pinned for the queries (as run_query does), or with
+    `listed=False` over the globs (a connection that pins none)."""
     con = connect(data_dir)
     try:
+        if listed:
+            pin(con)
         return {v: sorted(con.execute(f"SELECT * FROM {v}").fetchall(), key=repr)
                 for v in ("jobs", "shards", "outputs", "requests", "iterations")}
     finally:
@@ -67,31 +72,67 @@ def test_compacting_a_finished_job_merges_its_parts_and_keeps_answers(tmp_path):
     assert compact_job(tmp_path, "job-a").groups == 0  # nothing new
 
 
-def test_a_compacted_file_counts_only_after_its_activation_delay(tmp_path, monkeypatch):
-    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 1.5)
-    store = Store(tmp_path)
-    _fill(store, "job-v")
-    before = _snapshot(tmp_path)
-    compact_job(tmp_path, "job-v")
-    assert collect_garbage(tmp_path, grace_s=0) == 0  # never before the replacement counts
-    # prove which files a view reads: the raw parts' rows marked (same parts, other text)
-    raw = _files(store.layout, "outputs", "job-v", "raw")
-    for p in raw:
+def _mark_raw(paths) -> None:
+    """Prove which files a view reads: the raw parts' rows marked (same parts, other text)."""
+    for p in paths:
         table = pq.read_table(p)
         i = table.schema.get_field_index("output_text")
         pq.write_table(table.set_column(i, "output_text", pa.array(["raw"] * table.num_rows)), p)
-    assert {r[3] for r in _snapshot(tmp_path)["outputs"]} == {"raw"}  # the compacted file does not count yet
+
+
+def test_a_compacted_file_counts_only_after_its_activation_delay(tmp_path, monkeypatch):
+    """Over the globs (a connection that pins no listing): every scan of a query lists anew."""
+    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 1.5)
+    store = Store(tmp_path)
+    _fill(store, "job-v")
+    before = _snapshot(tmp_path, listed=False)
+    compact_job(tmp_path, "job-v")
+    assert collect_garbage(tmp_path, grace_s=0) == 0  # never before the replacement counts
+    raw = _files(store.layout, "outputs", "job-v", "raw")
+    _mark_raw(raw)
+    # the compacted file does not count yet
+    assert {r[3] for r in _snapshot(tmp_path, listed=False)["outputs"]} == {"raw"}
     hidden = tmp_path / "hidden"
     hidden.mkdir()
     for p in raw:
         p.rename(hidden / p.name)
     # parts no scan lists (merged, then deleted): their rows come from the compacted file at once
-    assert _snapshot(tmp_path) == before
+    assert _snapshot(tmp_path, listed=False) == before
     for p in raw:
         (hidden / p.name).rename(p)
     time.sleep(1.6)
-    assert _snapshot(tmp_path) == before  # now it counts, in place of the parts, which are not counted twice
+    # now it counts, in place of the parts, which are not counted twice
+    assert _snapshot(tmp_path, listed=False) == before
     assert collect_garbage(tmp_path, grace_s=0) > 0
+
+
+def test_a_pinned_listing_leaves_out_merged_inputs_and_reads_their_rows_from_the_output(tmp_path,
+                                                                                        monkeypatch):
+    """A listing made once for a query (`listing.pin`, which run_query does) leaves out the inputs of a
+    compaction whose output it holds: their rows come from the output at once, activation delay or not,
+    and no query opens the inputs waiting out their grace."""
+    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 60.0)
+    store = Store(tmp_path)
+    _fill(store, "job-p")
+    before = _snapshot(tmp_path)
+    assert before == _snapshot(tmp_path, listed=False)
+    listed_before = list_files(store.layout)
+    report = compact_job(tmp_path, "job-p")
+    raw = _files(store.layout, "outputs", "job-p", "raw")
+    _mark_raw(raw)
+    listing = list_files(store.layout)
+    assert listing.left_out == report.files_in
+    assert not set(map(str, raw)) & set(listing.files["outputs"])
+    assert len(listing.files["outputs"]) == len(listed_before.files["outputs"]) - len(raw) + 1
+    assert _snapshot(tmp_path) == before  # no "raw" text: the output's rows, not the inputs'
+    assert {r[3] for r in _snapshot(tmp_path, listed=False)["outputs"]} == {"raw"}  # the globs: not yet
+    # a tombstone whose output is not listed (gone, or written by an older batchgen) leaves its inputs in
+    tomb = next(store.layout.gc.glob("outputs~*.json"))
+    info = json.loads(tomb.read_text())
+    del info["output"]
+    tomb.unlink()  # a tombstone is never rewritten in place (readers keep their content): a new one
+    (tomb.parent / f"old-{tomb.name}").write_text(json.dumps(info))
+    assert set(map(str, raw)) <= set(list_files(store.layout).files["outputs"])
 
 
 def test_running_jobs_are_left_alone_unless_forced(tmp_path):

@@ -22,6 +22,7 @@ from engine.stats import IterationStats
 from jobs.request_counts import fetch_rows
 from jobs.store import Store, connect
 from jobs.store.compact import compact_live_job
+from jobs.store.listing import DATA_DIR_MACRO
 from jobs.store.schemas import JOB_KINDS, JobRecord, ShardEvent
 from tests.jobs.store.test_store_live_compact import JOB, SHARD, _answers, _write
 
@@ -190,7 +191,9 @@ def test_status_queries_run_again_when_a_listed_part_is_deleted():
         def __init__(self, con, fail: int):
             self.con, self.fail, self.calls = con, fail, 0
 
-        def execute(self, sql, params):
+        def execute(self, sql, params=None):
+            if sql.startswith(f"SELECT {DATA_DIR_MACRO}"):  # pin_listing's probe: not a store connection
+                return self.con.execute(sql)
             self.calls += 1
             if self.calls <= self.fail:
                 raise duckdb.IOException('IO Error: No files found that match the pattern "p.parquet"')

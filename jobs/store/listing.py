@@ -1,0 +1,143 @@
+"""The store's files as a query should see them: one listing per query, compaction's merged inputs left out.
+
+A view over a glob opens every file the glob matches, and while a job runs most of them are the inputs
+of compactions waiting out their grace period (`compact.LIVE_GRACE_S`): a fast job's store holds a few
+hundred live files and a few thousand merged ones, and each query opened them all. `list_files(layout)`
+lists each kind's files the way the glob does, then leaves out every input of a compaction whose
+output is in the same listing: that output holds the input's rows (`_bg_part` kept), so the scan takes
+them from there (catalog.py's rule for a part it does not list). The inputs stay on disk through their
+grace, so a query that listed one before it was merged still opens it.
+
+`pin(con)` puts a fresh listing in the connection's variable LISTING_VARIABLE; the views of a
+`connect()` connection read it (catalog.py) while it is younger than MAX_AGE_S, and their glob
+otherwise, so a connection that never pins, or pinned long ago, still answers right: only slower.
+Every scan of a query reads the same pinned list, and the views' time fences use the listing's time
+instead of the query's start (a commit counts once `committed_ts <= listed_at`; its parts were renamed
+into place before it, so before the listing began: they are listed, or the compacted file holding
+them is).
+
+A tombstone (`store/gc/*.json`, written by the compactor after its output is renamed into place)
+names the compaction's inputs and, since this module, its output; one without an output (written by
+an older batchgen) leaves its inputs listed. Tombstones never change once written, so their content
+is kept between listings (`_TOMBSTONES`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+
+from jobs.store.layout import Layout
+from jobs.store.schemas import KINDS
+
+LISTING_VARIABLE = "_bg_listing"  # struct {listed_at, <kind>: [files]} of the latest pin
+# a pinned listing older than this is not used (the views read their globs): a listed file is deleted
+# no sooner than ACTIVATION_DELAY_S (5 s) after it was merged, so a listing this young names files
+# that are still there, bar one merged at the very moment it was taken (then the query runs again)
+MAX_AGE_S = 2.0
+DATA_DIR_MACRO = "_bg.data_dir"  # a `connect()` connection's data dir, for `pin`
+
+
+@dataclass(frozen=True)
+class Listing:
+    listed_at: float  # epoch seconds, taken before the first directory was read
+    files: dict[str, list[str]]  # kind -> its Parquet files (absolute paths), merged inputs left out
+    left_out: int  # merged inputs left out
+
+    def variable(self) -> dict:
+        return {"listed_at": self.listed_at, **self.files}
+
+
+def list_files(layout: Layout) -> Listing:
+    """Every kind's Parquet files under its directory (as `Layout.glob` matches them), less the inputs
+    of compactions whose output this listing holds."""
+    listed_at = time.time()
+    files = {kind: _walk(layout.kind_dir(kind)) for kind in KINDS}
+    listed = {path for paths in files.values() for path in paths}
+    merged: set[str] = set()
+    for info in read_tombstones(layout.gc):  # after the data: a tombstone follows its output
+        output = info.get("output")
+        if output is not None and str(layout.file(output)) in listed:
+            merged.update(str(layout.file(p)) for p in info["files"])
+    kept = {kind: [p for p in paths if p not in merged] for kind, paths in files.items()}
+    return Listing(listed_at, kept, len(listed) - sum(len(p) for p in kept.values()))
+
+
+def _walk(directory: Path) -> list[str]:
+    """Files named *.parquet under `directory`, at any depth (the glob `**/*.parquet`), sorted."""
+    found: list[str] = []
+    stack = [str(directory)]
+    while stack:
+        current = stack.pop()
+        try:
+            with os.scandir(current) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=True):
+                        stack.append(entry.path)
+                    elif entry.name.endswith(".parquet"):
+                        found.append(entry.path)
+        except (FileNotFoundError, NotADirectoryError):  # a group directory removed meanwhile
+            continue
+    return sorted(found)
+
+
+_TOMBSTONES: dict[str, dict] = {}  # path -> content (a tombstone is written once, atomically)
+_TOMBSTONES_LOCK = threading.Lock()
+
+
+def read_tombstone(path: Path) -> dict | None:
+    """A tombstone's content, or None when another collector removed it meanwhile."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def read_tombstones(gc_dir: Path) -> list[dict]:
+    """The content of every tombstone in `gc_dir` now (each file read once per process)."""
+    try:
+        names = [e.path for e in os.scandir(gc_dir) if e.name.endswith(".json")]
+    except FileNotFoundError:
+        return []
+    out = []
+    with _TOMBSTONES_LOCK:
+        for gone in set(_TOMBSTONES).difference(names):
+            if gone.startswith(str(gc_dir) + os.sep):
+                del _TOMBSTONES[gone]
+        for name in names:
+            info = _TOMBSTONES.get(name)
+            if info is None:
+                info = read_tombstone(Path(name))
+                if info is None:
+                    continue
+                _TOMBSTONES[name] = info
+            out.append(info)
+    return out
+
+
+def pin(con: duckdb.DuckDBPyConnection, layout: Layout | None = None) -> Listing | None:
+    """List the store's files for the next queries on this cursor (see the module docstring). The data
+    dir is the connection's own (`connect` records it); None, pinning nothing, on a connection that is
+    not a `connect()` one."""
+    if layout is None:
+        root = data_dir_of(con)
+        if root is None:
+            return None
+        layout = Layout.of(root)
+    listing = list_files(layout)
+    con.execute(f"SET VARIABLE {LISTING_VARIABLE} = $1", [listing.variable()])
+    return listing
+
+
+def data_dir_of(con: duckdb.DuckDBPyConnection) -> str | None:
+    """The data dir whose views a `connect()` connection (or a cursor of one) holds, else None."""
+    try:
+        return con.execute(f"SELECT {DATA_DIR_MACRO}()").fetchone()[0]
+    except duckdb.CatalogException:
+        return None
