@@ -44,6 +44,13 @@ fences against `now()`, the start of the query's transaction, which every scan o
   runs again (`jobs.store.usersql.run_query`). Each scan lists its glob once (a materialized CTE), so
   it decides for all its rows from one listing; two scans of one query may take a part from
   different files, which hold the same rows.
+- A query over a listing pinned for it (`listing.pin`: run_query and fetch_rows pin one before each
+  query, on `connect()` connections) reads that listing instead of the globs, in every scan: one
+  listing for the whole query, with compaction's merged inputs left out once their output is listed
+  (their rows come from the output by the rule above). Its fences are the listing's time instead of
+  now(): a commit made after the listing began is not counted, as its parts may not be listed. A
+  listing older than `listing.MAX_AGE_S` is not used (the globs are), so a connection that never pins
+  answers as before.
 - Every kind has a zero-row `_schema.parquet`, so an empty data dir gives zero rows, not an error.
 - In `connect`'s in-memory views paths are absolute (resolved when the connection is made), so
   they work from any cwd; the catalog file's are relative (above).
