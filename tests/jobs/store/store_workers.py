@@ -16,10 +16,13 @@ import time
 import traceback
 from pathlib import Path
 
+import duckdb
+
 from engine.stats import IterationStats, RequestStats
 from jobs.store.catalog import connect
+from jobs.store.listing import LISTING_VARIABLE
 from jobs.store.parts import Store
-from jobs.store.queries import QUERIES, run_named
+from jobs.store.queries import QUERIES
 from jobs.store.schemas import JobRecord
 from jobs.store.usersql import run_query
 
@@ -99,8 +102,9 @@ def read_loop(data_dir: str, stop_path: str, result_path: str, compare_path: str
     Path(stop_path + ".ready").touch()
     while True:
         stopping = os.path.exists(stop_path)
-        try:
-            last = _one_pass(con, errors, last, expected)
+        try:  # every other pass over the globs (a connection that pins no listing), the others as
+            # run_query does, each query over a listing pinned for it
+            last = _one_pass(con, errors, last, expected, pinned=passes % 2 == 0)
         except Exception:  # noqa: BLE001 - every reader error is what the test counts
             errors.append(traceback.format_exc())
         passes += 1
@@ -111,12 +115,24 @@ def read_loop(data_dir: str, stop_path: str, result_path: str, compare_path: str
                                              "last": last}))
 
 
-def _one_pass(con, errors: list[str], last: dict, expected: dict | None) -> dict:
-    job_ids = [r[0] for r in run_query(con, "SELECT job_id FROM jobs ORDER BY job_id").rows] or ["none"]
-    for name, sql in QUERIES.items():
-        params = {"job_id": job_ids[0]} if "$job_id" in sql else {}
-        run_named(con, name, timeout_s=60, **params)
-    answers = {name: run_query(con, sql, timeout_s=60).rows[0][0] for name, sql in CHECKS.items()}
+def _one_pass(con, errors: list[str], last: dict, expected: dict | None, pinned: bool = True) -> dict:
+    def rows(sql: str, params: dict | None = None) -> list:
+        if pinned:
+            return run_query(con, sql, params or None, timeout_s=60).rows
+        con.execute(f"RESET VARIABLE {LISTING_VARIABLE}")
+        for attempt in range(4):  # as run_query: again when a part listed was deleted before it was read
+            try:
+                return con.execute(sql, params or None).fetchall()
+            except duckdb.IOException:
+                if attempt == 3:
+                    raise
+                time.sleep(0.05)
+        raise AssertionError("unreachable")
+
+    job_ids = [r[0] for r in rows("SELECT job_id FROM jobs ORDER BY job_id")] or ["none"]
+    for sql in QUERIES.values():
+        rows(sql, {"job_id": job_ids[0]} if "$job_id" in sql else {})
+    answers = {name: rows(sql)[0][0] for name, sql in CHECKS.items()}
     if answers["partial_shards"] or answers["duplicate_outputs"]:
         errors.append(f"inconsistent view: {answers}")
     for name in ("outputs", "iterations"):
