@@ -134,16 +134,22 @@ FROM per_worker GROUP BY bucket ORDER BY bucket
 ITERATION_EXTENT_COLUMNS = ("num_iterations", "num_workers", "downsampled", "bucket_s")
 
 # Request concurrency of the job at each time in $points: requests that have arrived at an engine
-# and not finished (waiting or running there) -- not the same thing as running sequences.
+# and not finished (waiting or running there) -- not the same thing as running sequences. One sort of
+# the arrivals (+1) and finishes (-1) with the points among them: at a point, the running sum counts
+# the arrivals at or before it less the finishes at or before it (events sort before a point at the
+# same time); a request not finished yet never counts as a finish.
 JOB_OUTSTANDING_AT = """
 WITH pts AS (SELECT i, $points[i] AS t FROM range(1, len($points) + 1) AS r(i)),
-r AS (
-    SELECT arrival_ts, CASE WHEN finished_ts > 0 THEN finished_ts ELSE 'infinity'::DOUBLE END AS finished_ts
-    FROM requests_live WHERE job_id = $job_id AND arrival_ts > 0
+r AS MATERIALIZED (
+    SELECT arrival_ts, finished_ts FROM requests_live WHERE job_id = $job_id AND arrival_ts > 0
+), ev AS (
+    SELECT arrival_ts AS t, 1 AS d, NULL::BIGINT AS i FROM r
+    UNION ALL SELECT finished_ts, -1, NULL FROM r WHERE finished_ts > 0
+    UNION ALL SELECT t, 0, i FROM pts
+), counted AS (
+    SELECT i, t, sum(d) OVER (ORDER BY t, i NULLS FIRST ROWS UNBOUNDED PRECEDING) AS n FROM ev
 )
-SELECT pts.t AS ts, count(r.arrival_ts) AS outstanding_requests
-FROM pts LEFT JOIN r ON r.arrival_ts <= pts.t AND r.finished_ts > pts.t
-GROUP BY pts.i, pts.t ORDER BY pts.i
+SELECT t AS ts, n::BIGINT AS outstanding_requests FROM counted WHERE i IS NOT NULL ORDER BY i
 """
 
 # ---------------------------------------------------------------- output tokens of a job over time

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dashboard import create_app
 from tests.dashboard.conftest import JOB_ID as SMALL
@@ -112,3 +114,24 @@ def test_workers_of_the_big_job(big):
         assert w["iterations"] == 50_000 and w["alive"] is False  # the synthetic run ended an hour ago
         assert w["max_num_seqs"] == 64 and w["token_budget"] == 2048 and w["kv_blocks_total"] == 4096
         assert w["recent_decode_tokens_per_s"] == 0
+
+
+@given(st.lists(st.tuples(st.integers(1, 20), st.integers(0, 20), st.booleans()), max_size=40),
+       st.lists(st.integers(0, 22), max_size=12))
+@settings(max_examples=60, deadline=None)
+def test_outstanding_requests_at_each_point_are_those_arrived_and_not_finished(requests, points):
+    """JOB_OUTSTANDING_AT against a count request by request, ties at the points' times included; a
+    request not finished (finished_ts 0) stays outstanding, another job's never counts."""
+    import duckdb
+
+    from dashboard import queries
+
+    con = duckdb.connect()
+    con.execute("CREATE TABLE requests_live (job_id VARCHAR, arrival_ts DOUBLE, finished_ts DOUBLE)")
+    rows = [("j", float(a), float(a + d) if done else 0.0) for a, d, done in requests] + [("other", 1.0, 0.0)]
+    con.executemany("INSERT INTO requests_live VALUES (?, ?, ?)", rows)
+    points_ = [float(p) for p in points]
+    got = con.execute(queries.JOB_OUTSTANDING_AT, {"job_id": "j", "points": points_}).fetchall()
+    want = [(float(t), sum(1 for job, a, f in rows if job == "j" and a <= t and (f == 0 or f > t)))
+            for t in points]
+    assert got == want
