@@ -2,8 +2,10 @@
 
 One in-memory DuckDB database per app holds the store's views (`jobs.store.connect`); each request
 gets its own cursor on it (a DuckDB connection is not safe to share between threads, its cursors
-are) and closes it at teardown. The views read the Parquet parts afresh on every query, so a
-cursor always sees what the writers have renamed into place.
+are) and closes it at teardown. The views read the Parquet parts afresh on every query (each query
+lists the store's files first: `jobs.store.pin_listing`, through run_query), so a cursor always sees
+what the writers have renamed into place; a query about one job (`queries.JOB_SCOPED`) lists only
+that job's parts.
 
 A data dir that does not exist yet is not an error: `get_db()` returns None and pages show their
 empty state. Page queries run with a time limit, and one that meets a part file removed under it
@@ -19,6 +21,7 @@ import duckdb
 from flask import Flask, current_app, g
 
 from dashboard.cache import Listing, QueryCache, list_store
+from dashboard.queries import JOB_SCOPED
 from jobs.store import Layout, QueryResult, connect_reporting, run_query
 
 BROKEN_RETRY_S = 5.0  # a base connection made while parts were unreadable is made anew after this
@@ -93,9 +96,12 @@ def run(sql: str, params: Params = None, *, cache: bool = True) -> QueryResult |
     if db is None:
         return None
 
+    # a query about one job lists only that job's parts (the other jobs' are not opened)
+    job_id = params.get("job_id") if isinstance(params, dict) and sql in JOB_SCOPED else None
+
     def compute() -> QueryResult:
         return run_query(db, sql, params, timeout_s=current_app.config["PAGE_QUERY_TIMEOUT_S"],
-                         max_rows=MAX_PAGE_ROWS)
+                         max_rows=MAX_PAGE_ROWS, job_id=job_id)
 
     kept = current_app.extensions["batchgen_query_cache"]
     if not cache or kept is None:

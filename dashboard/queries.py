@@ -222,6 +222,15 @@ SELECT coalesce(sum(num_preemptions), 0)::BIGINT AS request_preemptions,
 FROM requests_live WHERE job_id = $job_id
 """
 
+# Queries whose answer depends on the rows of their $job_id alone: they are run over a listing of
+# that job's parts only (jobs.store.run_query's job_id), so a job's page opens none of the other
+# jobs' files however many the data dir holds
+JOB_SCOPED = frozenset({
+    JOB_SUMMARY, JOB_SUMMARY_SCAN, JOB_SHARDS_PAGE, JOB_SHARD_COUNTS, JOB_SHARD_WORKERS,
+    JOB_OUTPUTS_SAMPLE, JOB_OUTPUTS_ALL, JOB_ITERATIONS, JOB_OUTSTANDING_AT, JOB_OUTPUT_RATE, JOB_LATENCY,
+    JOB_PREEMPTIONS,
+})
+
 # ---------------------------------------------------------------- workers
 
 # Every worker seen in telemetry: its last iteration (the heartbeat), the limits in force then, and

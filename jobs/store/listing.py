@@ -33,8 +33,8 @@ from pathlib import Path
 
 import duckdb
 
-from jobs.store.layout import Layout
-from jobs.store.schemas import KINDS
+from jobs.store.layout import Layout, StoreError, check_id
+from jobs.store.schemas import JOB_KINDS, KINDS
 
 LISTING_VARIABLE = "_bg_listing"  # struct {listed_at, <kind>: [files]} of the latest pin
 # a pinned listing older than this is not used (the views read their globs): a listed file is deleted
@@ -54,19 +54,34 @@ class Listing:
         return {"listed_at": self.listed_at, **self.files}
 
 
-def list_files(layout: Layout) -> Listing:
+def list_files(layout: Layout, job_id: str | None = None) -> Listing:
     """Every kind's Parquet files under its directory (as `Layout.glob` matches them), less the inputs
-    of compactions whose output this listing holds."""
+    of compactions whose output this listing holds. With `job_id`, the job kinds' files of that job only
+    (and their `_schema.parquet`): for a query whose answer depends on that job's rows alone, which then
+    opens none of the other jobs' files."""
     listed_at = time.time()
-    files = {kind: _walk(layout.kind_dir(kind)) for kind in KINDS}
+    files = {kind: _walk(layout.kind_dir(kind)) if job_id is None or kind not in JOB_KINDS
+             else _job_files(layout, kind, job_id) for kind in KINDS}
     listed = {path for paths in files.values() for path in paths}
     merged: set[str] = set()
     for info in read_tombstones(layout.gc):  # after the data: a tombstone follows its output
         output = info.get("output")
         if output is not None and str(layout.file(output)) in listed:
             merged.update(str(layout.file(p)) for p in info["files"])
-    kept = {kind: [p for p in paths if p not in merged] for kind, paths in files.items()}
-    return Listing(listed_at, kept, len(listed) - sum(len(p) for p in kept.values()))
+    # a kind with no file at all (its `_schema.parquet` gone) keeps its glob: the same error as before
+    kept = {kind: [p for p in paths if p not in merged] or [layout.glob(kind)]
+            for kind, paths in files.items()}
+    return Listing(listed_at, kept, len(merged & listed))
+
+
+def _job_files(layout: Layout, kind: str, job_id: str) -> list[str]:
+    schema = layout.kind_dir(kind) / "_schema.parquet"
+    try:
+        check_id("job_id", job_id)
+    except StoreError:  # no such job can have parts
+        return [str(schema)]
+    found = _walk(layout.raw_dir(kind, job_id)) + _walk(layout.compacted_dir(kind, job_id))
+    return sorted(found + [str(schema)] if schema.exists() else found)
 
 
 def _walk(directory: Path) -> list[str]:
@@ -121,16 +136,17 @@ def read_tombstones(gc_dir: Path) -> list[dict]:
     return out
 
 
-def pin(con: duckdb.DuckDBPyConnection, layout: Layout | None = None) -> Listing | None:
-    """List the store's files for the next queries on this cursor (see the module docstring). The data
-    dir is the connection's own (`connect` records it); None, pinning nothing, on a connection that is
-    not a `connect()` one."""
+def pin(con: duckdb.DuckDBPyConnection, layout: Layout | None = None, *,
+        job_id: str | None = None) -> Listing | None:
+    """List the store's files for the next queries on this cursor (see the module docstring), the job
+    kinds' of `job_id` only when given (`list_files`). The data dir is the connection's own (`connect`
+    records it); None, pinning nothing, on a connection that is not a `connect()` one."""
     if layout is None:
         root = data_dir_of(con)
         if root is None:
             return None
         layout = Layout.of(root)
-    listing = list_files(layout)
+    listing = list_files(layout, job_id)
     con.execute(f"SET VARIABLE {LISTING_VARIABLE} = $1", [listing.variable()])
     return listing
 

@@ -60,12 +60,14 @@ RETRY_PAUSE_S = 0.05
 
 def run_query(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any] | list | None = None, *,
               timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS,
-              tries: int = QUERY_TRIES) -> QueryResult:
+              tries: int = QUERY_TRIES, job_id: str | None = None) -> QueryResult:
     """Run one query with a deadline (interrupting it) and a row cap. A file error (the compactor
-    removed a part the query had listed) runs it again, up to `tries` times in all."""
+    removed a part the query had listed) runs it again, up to `tries` times in all. `job_id`: the
+    query's answer depends on that job's rows alone, so only its files are listed for it."""
     for attempt in range(tries):
         try:
-            pin(con)  # the store's files listed once for this try (listing.py); nothing on other connections
+            # the store's files listed once for this try (listing.py); nothing on other connections
+            pin(con, job_id=job_id)
             return _run_once(con, sql, params, timeout_s, max_rows)
         except UserSqlError as exc:
             if not isinstance(exc.__cause__, duckdb.IOException) or attempt == tries - 1:

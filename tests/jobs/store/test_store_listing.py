@@ -94,7 +94,8 @@ def test_readers_pin_a_listing_before_each_query(tmp_path, monkeypatch):
     _commit_shard(store, "job-r", 0)
     pins = []
     real_pin = listing.list_files
-    monkeypatch.setattr(listing, "list_files", lambda layout: pins.append(layout.root) or real_pin(layout))
+    monkeypatch.setattr(listing, "list_files",
+                        lambda layout, job_id=None: pins.append(layout.root) or real_pin(layout, job_id))
     con = connect(tmp_path)
     pins.clear()
     cur = con.cursor()
