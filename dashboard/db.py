@@ -21,7 +21,7 @@ import duckdb
 from flask import Flask, current_app, g
 
 from dashboard.cache import Listing, QueryCache, list_store
-from dashboard.queries import JOB_SCOPED
+from dashboard.queries import job_scope
 from jobs.store import Layout, QueryResult, connect_reporting, run_query
 
 BROKEN_RETRY_S = 5.0  # a base connection made while parts were unreadable is made anew after this
@@ -97,7 +97,7 @@ def run(sql: str, params: Params = None, *, cache: bool = True) -> QueryResult |
         return None
 
     # a query about one job lists only that job's parts (the other jobs' are not opened)
-    job_id = params.get("job_id") if isinstance(params, dict) and sql in JOB_SCOPED else None
+    job_id = job_scope(sql, params)
 
     def compute() -> QueryResult:
         return run_query(db, sql, params, timeout_s=current_app.config["PAGE_QUERY_TIMEOUT_S"],

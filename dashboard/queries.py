@@ -231,6 +231,11 @@ JOB_SCOPED = frozenset({
     JOB_PREEMPTIONS,
 })
 
+
+def job_scope(sql: str, params) -> str | None:
+    """The job whose parts alone `sql` reads with `params` (a JOB_SCOPED query's $job_id), else None."""
+    return params.get("job_id") if isinstance(params, dict) and sql in JOB_SCOPED else None
+
 # ---------------------------------------------------------------- workers
 
 # Every worker seen in telemetry: its last iteration (the heartbeat), the limits in force then, and
