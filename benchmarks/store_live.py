@@ -21,7 +21,8 @@ as they commit (jobs.store.compact.compact_written) and runs the janitor's compa
 the job, as a worker's janitor would; `--lever compact` the janitor's alone (writers' compaction
 off); `--lever telemetry` only what the janitor compacted before (telemetry, then garbage); `--lever
 none` nothing. `--max-s` stops the writer after that long (a 10M-request job takes hours to write
-here).
+here). `--finished-jobs K` first writes K finished jobs of `--finished-requests` each (compacted,
+as the janitor leaves them): a data dir that has served other jobs.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ MAX_POINTS = 600  # the dashboard's MAX_POINTS default (series bucketed in SQL)
 # ---------------------------------------------------------------- the job and its writer
 
 
-def make_job(data_dir: Path, requests: int, shard_size: int) -> None:
+def make_job(data_dir: Path, requests: int, shard_size: int, job_id: str = JOB_ID) -> None:
     """The job as `batchgen submit` leaves it: manifest (no shard files: nothing here reads them), job
     record, a `queued` event per shard."""
     from jobs.broker import resolve_broker
@@ -53,9 +54,9 @@ def make_job(data_dir: Path, requests: int, shard_size: int) -> None:
     from jobs.store import Store
     from jobs.submit import QUEUED_EVENTS_PER_PART, job_record
 
-    paths = JobPaths.of(data_dir, JOB_ID)
+    paths = JobPaths.of(data_dir, job_id)
     broker = resolve_broker(str(data_dir), embedded=True)
-    manifest = JobManifest(JOB_ID, str(Path(data_dir).resolve()), [], requests, shard_size,
+    manifest = JobManifest(job_id, str(Path(data_dir).resolve()), [], requests, shard_size,
                            RegularShards(paths, requests, shard_size), {"model": "smollm2-135m"}, {},
                            broker.queue, broker.display_url, 3, 5.0, ["topic"], time.time())
     write_manifest(manifest, paths)
@@ -65,13 +66,14 @@ def make_job(data_dir: Path, requests: int, shard_size: int) -> None:
 
     shards = manifest.shards
     for start in range(0, len(shards), QUEUED_EVENTS_PER_PART):
-        store.record_shard_events([ShardEvent(JOB_ID, s.shard_id, "queued", time.time(),
+        store.record_shard_events([ShardEvent(job_id, s.shard_id, "queued", time.time(),
                                               num_requests=s.num_requests)
                                    for s in shards[start:start + QUEUED_EVENTS_PER_PART]])
 
 
 def writer(data_dir: str, requests: int, shard_size: int, workers: int, flushes: int, steps_per_shard: int,
-           requests_per_s: float, max_s: float, done, stop, compact_as_written: bool = False) -> None:
+           requests_per_s: float, max_s: float, done, stop, compact_as_written: bool = False,
+           job_id: str = JOB_ID) -> None:
     """Write the job's shards in order (see the module docstring), for at most `max_s` seconds (0: no
     limit); `done` counts committed requests. `compact_as_written`: the writers compact as they write."""
     from jobs.store import Store
@@ -90,15 +92,16 @@ def writer(data_dir: str, requests: int, shard_size: int, workers: int, flushes:
         n = min(shard_size, requests - shard * shard_size)
         w = shard % workers
         if shard % 50 == 17:
-            _attempt(store, rng, shard, 1, n, shard_size, w, flushes, commit=False)
-        _attempt(store, rng, shard, 2 if shard % 50 == 17 else 1, n, shard_size, w, flushes, commit=True)
+            _attempt(store, rng, shard, 1, n, shard_size, w, flushes, commit=False, job_id=job_id)
+        _attempt(store, rng, shard, 2 if shard % 50 == 17 else 1, n, shard_size, w, flushes, commit=True,
+                 job_id=job_id)
         for _ in range(steps_per_shard):
             decode = rng.randint(1, 64)
             buf = telemetry[w]
             buf.append(IterationStats(
                 f"worker-{w:02d}", steps[w], time.time(), 0.05, min(decode + 4, 64), rng.randint(0, 500),
                 decode, 0, decode, 0, decode, decode, 2048, 64, rng.randint(100, 4000), 4096,
-                int(rng.random() < 0.01), 0, 0, [JOB_ID]))
+                int(rng.random() < 0.01), 0, 0, [job_id]))
             steps[w] += 1
         with done.get_lock():
             done.value += n
@@ -111,8 +114,8 @@ def writer(data_dir: str, requests: int, shard_size: int, workers: int, flushes:
 
 
 def _attempt(store, rng: random.Random, shard: int, attempt: int, n: int, shard_size: int, w: int,
-             flushes: int, *, commit: bool) -> None:
-    att = store.begin_attempt(JOB_ID, shard, attempt, f"worker-{w:02d}", num_requests=n,
+             flushes: int, *, commit: bool, job_id: str = JOB_ID) -> None:
+    att = store.begin_attempt(job_id, shard, attempt, f"worker-{w:02d}", num_requests=n,
                               flush_interval_s=1e9)
     now = time.time()
     per_flush = -(-n // flushes)
@@ -230,6 +233,19 @@ def run(args: argparse.Namespace, data_dir: Path) -> dict:
     from jobs.manifest import load_manifest
     from jobs.store import connect
 
+    for k in range(args.finished_jobs):  # earlier jobs in the data dir, written and compacted
+        job_id = f"finished-{k:02d}"
+        make_job(data_dir, args.finished_requests, args.shard_size, job_id)
+        ctx = mp.get_context("spawn")
+        writer(str(data_dir), args.finished_requests, args.shard_size, args.workers, args.flushes,
+               args.steps_per_shard, 0.0, 0.0, ctx.Value("q", 0), ctx.Event(), True, job_id)
+    if args.finished_jobs:
+        from jobs.store import collect_garbage, compact
+
+        compact(data_dir, min_age_s=0.0)
+        collect_garbage(data_dir, grace_s=0.0)
+        print(f"{args.finished_jobs} finished jobs of {args.finished_requests:,} requests written and "
+              "compacted", flush=True)
     make_job(data_dir, args.requests, args.shard_size)
     manifest = load_manifest(data_dir, JOB_ID)
     ctx = mp.get_context("spawn")
@@ -321,6 +337,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="a query's limit (the dashboard's PAGE_QUERY_TIMEOUT_S); past it, it counts as this")
     ap.add_argument("--final-rounds", type=int, default=3, help="rounds timed once the job is written")
     ap.add_argument("--max-s", type=float, default=0.0, help="stop writing after this (0: the whole job)")
+    ap.add_argument("--finished-jobs", type=int, default=0,
+                    help="finished jobs written (and compacted) into the data dir before the live one")
+    ap.add_argument("--finished-requests", type=int, default=100_000, help="requests of each finished job")
     ap.add_argument("--data-dir", type=Path, default=None, help="default: a temporary directory, deleted")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
