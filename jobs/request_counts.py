@@ -41,13 +41,14 @@ FROM (""" + REQUEST_OUTCOMES_SQL + """) GROUP BY job_id
 FETCH_TRIES = 4  # a query whose part file the compactor deleted after it was listed runs again
 
 
-def fetch_rows(con, sql: str, params: list | None = None) -> list[dict]:
+def fetch_rows(con, sql: str, params: list | None = None, job_id: str | None = None) -> list[dict]:
     """A query's rows as dicts. A file error (a part the query listed was deleted by the compactor
     before it was read: the views stay correct, the query only has to list again) runs it again, up
-    to FETCH_TRIES times in all."""
+    to FETCH_TRIES times in all. `job_id`: the answer depends on that job's rows alone (only its parts
+    are listed for the query)."""
     for attempt in range(FETCH_TRIES):
         try:
-            pin_listing(con)  # the store's files listed once for this try
+            pin_listing(con, job_id=job_id)  # the store's files listed once for this try
             cur = con.execute(sql, params or [])
             break
         except duckdb.IOException:

@@ -105,13 +105,14 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
     only the running and failed ones), with live progress where running."""
     con, broken = connect_reporting(manifest.data_dir, views=STATUS_VIEWS)
     try:
-        job = fetch_rows(con, "SELECT * FROM jobs WHERE job_id = ?", [manifest.job_id])
+        job = fetch_rows(con, "SELECT * FROM jobs WHERE job_id = ?", [manifest.job_id], manifest.job_id)
         if all_shards:
             shards = fetch_rows(con, "SELECT * FROM shards WHERE job_id = ? ORDER BY shard_id",
-                                [manifest.job_id])
+                                [manifest.job_id], manifest.job_id)
             by_state = Counter(s["status"] for s in shards)
         else:  # a job of 40,000 shards: only the listed ones and the counts come out of DuckDB
-            rows = fetch_rows(con, _LISTED_SHARDS_SQL, [manifest.job_id, list(LISTED_STATES)])
+            rows = fetch_rows(con, _LISTED_SHARDS_SQL, [manifest.job_id, list(LISTED_STATES)],
+                              manifest.job_id)
             by_state = Counter({r["status"]: r.pop("_bg_n") for r in rows})
             shards = [r for r in rows if r["status"] in LISTED_STATES]
     finally:

@@ -312,3 +312,34 @@ def test_every_finish_reason_has_a_request_outcome():
 
     assert set(parts._REASON_RANK) == set(schemas.FINISH_REASONS)
     assert set(parts._REASON_RANK.values()) == set(parts._OUTCOME_RANK.values())
+
+
+def test_status_of_one_job_lists_only_that_jobs_parts(tmp_path, monkeypatch):
+    """`status JOB`'s queries run over a listing of that job's parts (another job's are not opened),
+    with the same answers as over every part."""
+    from jobs.manifest import load_manifest
+    from jobs.status import job_status
+    from jobs.store import listing
+
+    data = tmp_path / "data"
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(6)]}), src)
+    ids = []
+    for queue in ("q.one", "q.two"):
+        sub = CliRunner().invoke(cli, ["submit", str(src), "--model", MODEL, "--data-dir", str(data),
+                                       "--shard-size", "3", "--queue", queue])
+        ids.append(sub.output.strip().splitlines()[-1])
+    store = Store(data)
+    for job_id in ids:
+        att = store.begin_attempt(job_id, 0, 1, "w1", num_requests=3)
+        att.add_outputs([dict(r, request_id=str(i)) for i, r in enumerate(_rows(0, [("stop",)] * 3))])
+        att.commit()
+    scopes = []
+    real = listing.list_files
+    monkeypatch.setattr(listing, "list_files",
+                        lambda layout, job_id=None: scopes.append(job_id) or real(layout, job_id))
+    scoped = job_status(load_manifest(str(data), ids[0]))
+    assert ids[0] in scopes and ids[1] not in scopes
+    monkeypatch.setattr(listing, "list_files", lambda layout, job_id=None: real(layout))  # every part
+    assert job_status(load_manifest(str(data), ids[0])) == scoped
+    assert scoped["shard_counts"]["completed"] == 1 and scoped["request_counts"]["completed"] == 3
