@@ -9,6 +9,12 @@ died holding a shard. So the jobs layer tracks attempts itself, in DATA_DIR/jobs
     shard-000003.a002.requeued   created with O_EXCL by the one checker that re-queued a dead attempt
     shard-000003.republished-<ms> created with O_EXCL by the one checker that re-published a shard
                                  waiting since <ms> whose message the broker no longer holds
+    changes/<host>-<pid>.log     one line "<shard> <attempt> <state>" per claim and per end, appended
+                                 by the writing process *before* it creates the claim or writes the
+                                 state (heartbeats write none): which shards a progress poll must read
+    changes/summary.json         what progress polls learned: the shards found committed or failed,
+                                 their sums, the shards still to watch, how far each log was read
+                                 (jobs.shards.supervise.job_progress)
 
 Rules:
 - The next attempt of a shard is 1 + the highest claimed number; only the process whose O_EXCL
@@ -18,6 +24,8 @@ Rules:
   finishes the shard, or dies and is re-queued by `requeue_dead_shards` (jobs.shards.supervise).
 - A claimant checks before committing that no newer claim exists (it was presumed dead): if one
   does, it steps aside. The store's "first commit wins" covers the remaining race.
+- Every claim and every end state is noted in the process's change log before the file that makes it
+  exists: a reader that read the logs and then the lease files missed no change it did not see noted.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ HEARTBEAT_FRACTION = 0.2  # heartbeats are written every ttl * this
 ENDED = tuple(s for s in ShardState if s.ended)
 
 _CLAIM_RE = re.compile(r"^shard-(\d{6})\.a(\d{3,})\.claim$")
+CHANGES_DIR = "changes"  # the change logs and the progress summary, inside a job's lease directory
+_LOG_NAME = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())  # + "-<pid>.log"
 
 
 def lease_ttl_s() -> float:
@@ -210,6 +220,7 @@ class ShardLeases:
         if latest is not None and latest.alive(now, self.ttl_s):
             return None
         attempt = attempts[-1] + 1 if attempts else 1
+        self.note_claim(shard_id, attempt)
         if not _create_once(self.claim_file(shard_id, attempt)):
             return None  # another delivery claimed it a moment ago
         lease = Lease(self, shard_id, LeaseState(worker_id, socket.gethostname(), os.getpid(), attempt,
@@ -220,6 +231,30 @@ class ShardLeases:
             self.claim_file(shard_id, attempt).unlink(missing_ok=True)
             raise
         return lease
+
+    # -- the change log (read by jobs.shards.supervise.job_progress)
+    @property
+    def changes(self) -> Path:
+        return self.directory / CHANGES_DIR
+
+    def note_claim(self, shard_id: int, attempt: int) -> None:
+        """Note a claim about to be made (before its claim file exists)."""
+        self.note(shard_id, attempt, ShardState.RUNNING)
+
+    def note(self, shard_id: int, attempt: int, state: ShardState) -> None:
+        """Append "<shard> <attempt> <state>" to this process's change log, in one write (a process
+        appends only to its own log, so no two writers share a file)."""
+        path = self.changes / f"{_LOG_NAME}-{os.getpid()}.log"
+        line = f"{shard_id} {attempt} {ShardState(state).value}\n".encode()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
 
     def mark_requeued(self, shard_id: int, attempt: int) -> bool:
         """True for exactly one caller per dead attempt: that caller re-queues the shard."""
@@ -279,6 +314,7 @@ class Lease:
             raise ValueError(f"lease end state must be one of {[str(s) for s in ENDED]}, got {state!r}")
         state = ShardState(state)
         with self._lock:
+            self.leases.note(self.shard_id, self.attempt, state)  # before the file says it
             self.state.state, self.state.note, self.state.retry_at = state, note, retry_at
             self._touch(rows_done, output_tokens)
 

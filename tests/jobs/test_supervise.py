@@ -9,7 +9,7 @@ from jobs.broker import resolve_broker
 from jobs.manifest import JobPaths
 from jobs.shards import broker_messages
 from jobs.shards.leases import ShardLeases
-from jobs.shards.supervise import job_progress, requeue_dead_shards
+from jobs.shards.supervise import every_shard_progress, job_progress, requeue_dead_shards
 from jobs.store import connect
 from jobs.submit import JobRequest, prepare_job
 from tests.jobs.helpers import MODEL, write_prompts
@@ -48,9 +48,9 @@ def test_a_shard_whose_workers_keep_dying_fails_after_max_retries(tmp_path, monk
     assert requeue_dead_shards(data_dir, settings) == []  # the third death: given up, not re-queued
     assert len(published) == 2
 
-    progress = job_progress(m)
-    assert progress.finished and [s.state for s in progress.shards] == ["failed"]
-    assert "gave up after 3 re-queues and retries (max_retries 2)" in progress.shards[0].note
+    shards = every_shard_progress(m)
+    assert job_progress(m).finished and [s.state for s in shards] == ["failed"]
+    assert "gave up after 3 re-queues and retries (max_retries 2)" in shards[0].note
     [(status, error)] = connect(data_dir).execute(
         "SELECT status, error FROM shards WHERE job_id = ?", [m.job_id]).fetchall()
     assert status == "failed" and "worker died running attempt 3 (w-oom@host)" in error
