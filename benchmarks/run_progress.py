@@ -17,6 +17,7 @@ to 900 s so that running shards stay running through the setup; dead ones are an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -86,12 +87,11 @@ def advance(data_dir: Path, job_id: str, first_running: int, running: int, first
         lease = Lease(leases, shard_id, leases.view(shard_id, 1).state)
         lease.end(ShardState.COMMITTED, rows_done=SHARD_SIZE, output_tokens=SHARD_SIZE * 8)
     for shard_id in range(first_queued, first_queued + running):
-        note = getattr(leases, "note_claim", None)  # what ShardLeases.try_claim records before its claim
-        if note is not None:
-            note(shard_id, 1)
-        leases.claim_file(shard_id, 1).touch()
-        state = LeaseState("w2", "bench-elsewhere", 1, 1, ShardState.RUNNING, now, now)
-        Lease(leases, shard_id, state).write()
+        noting = getattr(leases, "noting", None)  # what ShardLeases.try_claim notes around its claim
+        with noting(shard_id, 1, ShardState.RUNNING) if noting is not None else contextlib.nullcontext():
+            leases.claim_file(shard_id, 1).touch()
+            state = LeaseState("w2", "bench-elsewhere", 1, 1, ShardState.RUNNING, now, now)
+            Lease(leases, shard_id, state).write()
 
 
 def poll(data_dir: Path, job_id: str) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from jobs.broker import BrokerSettings
 from jobs.manifest import JobManifest, JobPaths, RegularShards, list_job_ids, load_manifest, shard_sizes
-from jobs.shards.leases import AttemptView, ShardLeases, env_seconds
+from jobs.shards.leases import DONE, AttemptView, ShardLeases, env_seconds
 from jobs.shards.ledger import ShardLedger
 from jobs.shards.state import ShardState
 from jobs.store import Store, new_uid
@@ -86,9 +86,10 @@ def job_progress(manifest: JobManifest, store: Store | None = None) -> JobProgre
     cancelled = paths.cancel_marker.exists()
     num_shards = len(manifest.shards)
     summary = ProgressSummary.load(leases, num_shards)
-    changes, offsets = read_changes(leases, summary.offsets if summary is not None else {})
-    if summary is None or changes is None or not summary.take(changes, num_shards):
-        summary = ProgressSummary.build(leases, num_shards)  # the logs just read count as read
+    changes, damaged, offsets = read_changes(leases, summary.offsets if summary is not None else {})
+    if summary is None or damaged or not summary.take(changes, num_shards):
+        summary = ProgressSummary.build(leases, num_shards)
+        summary.take(changes, num_shards)  # read before the scan: claims not made yet, writes not done
     summary.offsets = offsets
     now, rows_of = time.time(), _shard_rows(manifest)
     counts = {ShardState.COMMITTED: summary.committed, ShardState.FAILED: summary.failed}
@@ -98,12 +99,13 @@ def job_progress(manifest: JobManifest, store: Store | None = None) -> JobProgre
     # the counts and sums start from the summary's shards counted final; each shard read adds to them
     # (one settled here adds itself to the summary too: `never` below takes the summary after the loop)
     for shard_id in sorted(summary.watch):
-        attempts = sorted(summary.watch[shard_id])
+        watched = summary.watch[shard_id]
+        attempts = sorted(watched.attempts)
         top = next((a for a in reversed(attempts) if leases.claim_file(shard_id, a).exists()), None)
         view = leases.view(shard_id, top) if top is not None else None
         shard = _shard_progress(shard_id, rows_of(shard_id), view, now, leases.ttl_s)
-        if top == attempts[-1] and shard.state.final:  # committed or failed for good, as its file says
-            summary.settle(shard)
+        if shard.state.final and top == attempts[-1] and watched.pending == 0:
+            summary.settle(shard)  # committed or failed for good, as its file says, and no writer busy
         elif shard.state is ShardState.DEAD and store is not None and store.committed(manifest.job_id,
                                                                                          shard_id):
             shard.state, shard.rows_done = ShardState.COMMITTED, shard.num_requests
@@ -171,27 +173,29 @@ def _shard_rows(manifest: JobManifest) -> Callable[[int], int]:
 SUMMARY_NAME = "summary.json"
 SUMMARY_VERSION = 1
 _SUMS = ("committed", "failed", "committed_rows", "committed_tokens", "failed_rows", "failed_tokens")
-Change = tuple[int, int, ShardState]  # (shard id, attempt, state) as a change log notes it
+# (shard id, attempt, state) as a change log notes it; state None: the change noted before is written
+Change = tuple[int, int, ShardState | None]
 
 
-def read_changes(leases: ShardLeases, offsets: dict[str, int]) -> tuple[list[Change] | None, dict[str, int]]:
-    """The changes noted in a job's logs past `offsets` (log name -> bytes read), and the offsets after
-    them (whole lines only: a line being written is read next time). None for the changes when a log
-    shrank or holds a line that is not a change (a write cut short): then nothing read can be trusted."""
-    changes: list[Change] | None = []
-    read = dict(offsets)
+def read_changes(leases: ShardLeases, offsets: dict[str, int]) -> tuple[list[Change], bool, dict[str, int]]:
+    """The changes noted in a job's logs past `offsets` (log name -> bytes read), whether a log was
+    damaged (it shrank, or holds a line that is not a change: a write cut short), and the offsets after
+    them (whole lines only: a line being written is read next time)."""
+    changes: list[Change] = []
+    damaged, read = False, dict(offsets)
     try:
         entries = [e for e in os.scandir(leases.changes) if e.name.endswith(".log")]
     except FileNotFoundError:
-        return changes, read
+        return changes, damaged, read
     for entry in sorted(entries, key=lambda e: e.name):
         start = offsets.get(entry.name, 0)
+        size = entry.stat().st_size
+        if size < start:
+            damaged, read[entry.name] = True, 0
+            continue
+        if size == start:
+            continue  # nothing new: not even opened
         with open(entry.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < start:
-                changes = None
-                read[entry.name] = 0
-                continue
             f.seek(start)
             data = f.read(size - start)
         whole = data.rfind(b"\n") + 1
@@ -199,29 +203,39 @@ def read_changes(leases: ShardLeases, offsets: dict[str, int]) -> tuple[list[Cha
         for line in data[:whole].splitlines():
             change = _parse_change(line)
             if change is None:
-                changes = None
-            elif changes is not None:
+                damaged = True
+            else:
                 changes.append(change)
-    return changes, read
+    return changes, damaged, read
 
 
 def _parse_change(line: bytes) -> Change | None:
     parts = line.split()
     if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
         return None
+    word = parts[2].decode("ascii", "replace")
     try:
-        return int(parts[0]), int(parts[1]), ShardState(parts[2].decode("ascii", "replace"))
+        return int(parts[0]), int(parts[1]), None if word == DONE else ShardState(word)
     except ValueError:
         return None
+
+
+@dataclass
+class Watched:
+    """A shard a poll reads: the attempt numbers noted, and how many noted changes are not noted done
+    (a writer is busy, or died busy: the shard's files are read, never counted from memory)."""
+
+    attempts: set[int] = field(default_factory=set)
+    pending: int = 0
 
 
 @dataclass
 class ProgressSummary:
     """What progress polls learned of a job (DATA_DIR/jobs/<job>/leases/changes/summary.json): the
     shards seen committed or failed for good (a bit each) with their rows and tokens summed, the
-    claimed shards still to watch (shard id -> the attempt numbers noted), and how far each change log
-    was read. Each poll reads it, brings it up to date and writes it whole (atomically): two pollers
-    writing at once leave one of two true summaries."""
+    claimed shards still to watch (`Watched`), and how far each change log was read. Each poll reads
+    it, brings it up to date and writes it whole (atomically): two pollers writing at once leave one
+    of two true summaries."""
 
     num_shards: int
     offsets: dict[str, int] = field(default_factory=dict)
@@ -233,7 +247,7 @@ class ProgressSummary:
     committed_tokens: int = 0
     failed_rows: int = 0
     failed_tokens: int = 0
-    watch: dict[int, set[int]] = field(default_factory=dict)
+    watch: dict[int, Watched] = field(default_factory=dict)
     changed: bool = True
 
     def __post_init__(self) -> None:
@@ -245,7 +259,7 @@ class ProgressSummary:
     def build(cls, leases: ShardLeases, num_shards: int) -> ProgressSummary:
         """From the lease files alone: every claimed shard watched (the poll reads each once)."""
         claims = leases.claimed_attempts()
-        return cls(num_shards, watch={s: set(a) for s, a in claims.items() if 0 <= s < num_shards})
+        return cls(num_shards, watch={s: Watched(set(a)) for s, a in claims.items() if 0 <= s < num_shards})
 
     @classmethod
     def load(cls, leases: ShardLeases, num_shards: int) -> ProgressSummary | None:
@@ -258,7 +272,8 @@ class ProgressSummary:
                           bytearray(base64.b64decode(data["committed_bits"])),
                           bytearray(base64.b64decode(data["failed_bits"])),
                           *(int(data[k]) for k in _SUMS),
-                          {int(s): set(a) for s, a in data["watch"].items()}, changed=False)
+                          {int(s): Watched(set(a[1:]), int(a[0])) for s, a in data["watch"].items()},
+                          changed=False)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
         size = (num_shards + 7) // 8
@@ -275,13 +290,15 @@ class ProgressSummary:
         way than it says (its commit was lost, a failed shard was queued again): the summary is stale."""
         for shard_id, attempt, state in changes:
             if not 0 <= shard_id < num_shards:
-                continue  # not a shard of this job (old code iterated the manifest's shards only)
+                continue  # not a shard of this job (progress counts the manifest's shards only)
             final = self.final_state(shard_id)
             if final is not None:
-                if final is not state:
+                if state is not None and state is not final:
                     return False
-                continue  # the end the summary counted already, read after its file was written
-            self.watch.setdefault(shard_id, set()).add(attempt)
+                continue  # the end the summary counted already (its file was read before its note)
+            watched = self.watch.setdefault(shard_id, Watched())
+            watched.attempts.add(attempt)
+            watched.pending += 1 if state is not None else -1
             self.changed = True
         return True
 
@@ -310,7 +327,7 @@ class ProgressSummary:
                 "committed_bits": base64.b64encode(bytes(self.committed_bits)).decode("ascii"),
                 "failed_bits": base64.b64encode(bytes(self.failed_bits)).decode("ascii"),
                 **{k: getattr(self, k) for k in _SUMS},
-                "watch": {str(s): sorted(a) for s, a in self.watch.items()}}
+                "watch": {str(s): [w.pending, *sorted(w.attempts)] for s, w in self.watch.items()}}
         path = leases.changes / SUMMARY_NAME
         tmp = path.with_name(f".{SUMMARY_NAME}.{new_uid()}.tmp")
         try:

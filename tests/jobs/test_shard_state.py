@@ -265,15 +265,42 @@ def test_a_poll_reads_only_the_shards_not_yet_final(tmp_path, monkeypatch):
 
 
 def test_a_claim_noted_but_never_made_leaves_the_shard_queued(tmp_path):
-    """A writer that died between noting a claim and creating its file (or lost the O_EXCL race) made
-    no attempt: the shard reads queued, and its next real claim reads running."""
+    """A writer that died between noting a claim and creating its file made no attempt: the shard reads
+    queued, its next real claim reads running, and its commit is read from its file on every poll (a
+    writer died busy on it: never counted from memory)."""
     m = _manifest(tmp_path, 3)
     leases = ShardLeases(JobPaths.of(tmp_path, JOB).leases, ttl_s=30)
     leases.try_claim(0, "w1").end(ShardState.COMMITTED, rows_done=ROWS)
-    leases.note_claim(1, 1)
+    leases.note(1, 1, ShardState.RUNNING)  # and died
     assert _agrees(m).count("queued") == 2
-    leases.try_claim(1, "w1")
+    lease = leases.try_claim(1, "w1")
     assert _agrees(m).count("running") == 1
+    lease.end(ShardState.COMMITTED, rows_done=ROWS, output_tokens=4)
+    for _ in range(2):
+        progress = _agrees(m)
+        assert progress.count("committed") == 2 and [s.shard_id for s in progress.active] == [1]
+
+
+def test_a_final_shard_being_changed_is_read_until_its_writer_is_done(tmp_path):
+    """A committed shard whose commit is being revoked (`ShardLedger.lose`: noted, then its file
+    rewritten failed, then noted done) reads as its file says at each step, and is counted from memory
+    again only once the writer is done; a writer that dies between leaves it read on every poll."""
+    m = _manifest(tmp_path, 2)
+    leases = ShardLeases(JobPaths.of(tmp_path, JOB).leases, ttl_s=30)
+    lease = leases.try_claim(0, "w1")
+    lease.end(ShardState.COMMITTED, rows_done=ROWS, output_tokens=9)
+    assert _agrees(m).count("committed") == 1
+    assert _agrees(m).active == []
+    leases.note(0, 1, ShardState.FAILED)
+    assert _agrees(m).count("committed") == 1  # the file still says committed
+    lease.state.state = ShardState.FAILED
+    lease.write()
+    assert _agrees(m).count("failed") == 1
+    assert [s.shard_id for s in _agrees(m).active] == [0]  # no done noted: read again
+    leases.note(0, 1, None)
+    assert _agrees(m).count("failed") == 1
+    progress = _agrees(m)
+    assert (progress.count("failed"), progress.active, progress.output_tokens) == (1, [], 9)
 
 
 def test_an_end_read_before_its_note_is_counted_once(tmp_path, monkeypatch):
