@@ -94,13 +94,17 @@ def advance(data_dir: Path, job_id: str, first_running: int, running: int, first
             Lease(leases, shard_id, state).write()
 
 
-def poll(data_dir: Path, job_id: str) -> dict:
-    from jobs.manifest import load_manifest
+def poll(data_dir: Path, job_id: str, first: bool = False) -> dict:
+    """One poll timed, then the same poll again under tracemalloc; `first`: the job's first poll, whose
+    progress summary (where the code keeps one) is removed before the second, so it is built again."""
+    from jobs.manifest import JobPaths, load_manifest
     from jobs.shards.supervise import job_progress
 
     t = time.perf_counter()
     progress = job_progress(load_manifest(data_dir, job_id))
     wall = time.perf_counter() - t
+    if first:
+        (JobPaths.of(data_dir, job_id).leases / "changes" / "summary.json").unlink(missing_ok=True)
     tracemalloc.start()  # the same poll again, for its heap (tracemalloc slows it several times)
     job_progress(load_manifest(data_dir, job_id))
     _, peak = tracemalloc.get_traced_memory()
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             write_job(data_dir, job_id, num_shards)
             plan = write_leases(data_dir, job_id, num_shards, args.running, args.dead)
             setup_s = time.perf_counter() - t
-            first = poll(data_dir, job_id)
+            first = poll(data_dir, job_id, first=True)
             again = poll(data_dir, job_id)
             committed = int(num_shards * 0.7)
             advance(data_dir, job_id, committed + 2, args.running, committed + 2 + args.running + args.dead)

@@ -56,6 +56,7 @@ HEARTBEAT_FRACTION = 0.2  # heartbeats are written every ttl * this
 ENDED = tuple(s for s in ShardState if s.ended)
 
 _CLAIM_RE = re.compile(r"^shard-(\d{6})\.a(\d{3,})\.claim$")
+_REPUBLISHED_RE = re.compile(r"^shard-(\d{6})\.republished-")
 CHANGES_DIR = "changes"  # the change logs and the progress summary, inside a job's lease directory
 DONE = "done"  # a change log's word for "the change noted before is written"
 _LOG_NAME = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())  # + "-<pid>.log"
@@ -284,6 +285,23 @@ class ShardLeases:
             return 0.0
         marks = self.directory.glob(f"shard-{shard_id:06d}.republished-*")
         return max((p.stat().st_mtime for p in marks), default=0.0)
+
+    def republished(self) -> dict[int, float]:
+        """shard id -> when its message was last re-published, for every shard re-published: one listing
+        of the directory for the whole job (`last_republished` lists it for one shard)."""
+        found: dict[int, float] = {}
+        if not self.directory.is_dir():
+            return found
+        for entry in os.scandir(self.directory):
+            m = _REPUBLISHED_RE.match(entry.name)
+            if m:
+                try:
+                    mtime = entry.stat().st_mtime
+                except FileNotFoundError:
+                    continue
+                shard_id = int(m.group(1))
+                found[shard_id] = max(found.get(shard_id, 0.0), mtime)
+        return found
 
     def mark_republished(self, shard_id: int, since: float) -> bool:
         """True for exactly one caller per (shard, waiting since): that caller re-publishes it."""

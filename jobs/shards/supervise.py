@@ -90,6 +90,7 @@ def job_progress(manifest: JobManifest, store: Store | None = None) -> JobProgre
     if summary is None or damaged or not summary.take(changes, num_shards):
         summary = ProgressSummary.build(leases, num_shards)
         summary.take(changes, num_shards)  # read before the scan: claims not made yet, writes not done
+    summary.changed |= offsets != summary.offsets
     summary.offsets = offsets
     now, rows_of = time.time(), _shard_rows(manifest)
     counts = {ShardState.COMMITTED: summary.committed, ShardState.FAILED: summary.failed}
@@ -424,11 +425,13 @@ def republish_after_s() -> float:
     return env_seconds(REPUBLISH_AFTER_ENV, DEFAULT_REPUBLISH_AFTER_S)
 
 
-def waiting_since(manifest: JobManifest, leases: ShardLeases, shard_id: int,
-                  attempts: list[int]) -> float | None:
+def waiting_since(manifest: JobManifest, leases: ShardLeases, shard_id: int, attempts: list[int],
+                  republished: dict[int, float] | None = None) -> float | None:
     """When a shard began waiting for a worker with no live attempt (never claimed, handed back, or
     re-queued after its worker died), or when its message was last re-published; None when it is
-    not waiting (running, retrying, committed, failed, cancelled)."""
+    not waiting (running, retrying, committed, failed, cancelled). `republished`: the job's
+    `ShardLeases.republished()`, listed once by a caller asking for every shard (else the directory
+    is listed for this shard)."""
     view = leases.view(shard_id, attempts[-1]) if attempts else None
     if view is None:
         since = manifest.submitted_ts
@@ -438,7 +441,8 @@ def waiting_since(manifest: JobManifest, leases: ShardLeases, shard_id: int,
         since = view.state.heartbeat_ts if view.state is not None else view.claimed_ts
     else:
         return None
-    return max(since, leases.last_republished(shard_id))
+    last = republished.get(shard_id, 0.0) if republished is not None else leases.last_republished(shard_id)
+    return max(since, last)
 
 
 def _republish_lost(manifest: JobManifest, store: Store, broker: BrokerSettings, leases: ShardLeases,
@@ -449,9 +453,9 @@ def _republish_lost(manifest: JobManifest, store: Store, broker: BrokerSettings,
     from jobs.shards.broker_messages import live_shard_messages
 
     now, limit = time.time(), republish_after_s()
-    stale = {}
+    stale, republished = {}, leases.republished()  # one listing, not one per waiting shard
     for info in manifest.shards:
-        since = waiting_since(manifest, leases, info.shard_id, claims.get(info.shard_id, []))
+        since = waiting_since(manifest, leases, info.shard_id, claims.get(info.shard_id, []), republished)
         if since is not None and now - since > limit:
             stale[info.shard_id] = since
     if not stale:
