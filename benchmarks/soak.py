@@ -175,7 +175,7 @@ class _Soak:
         last_line = 0.0
         while time.monotonic() - t0 < self.args.timeout:
             progress = job_progress(self.manifest)
-            done = progress.count("committed") / len(progress.shards)
+            done = progress.count("committed") / progress.num_shards
             while plan and done >= plan[0][0] and not progress.finished:
                 at, kind = plan.pop(0)
                 faults.append(f"{self._fault(kind)} ({kind} at {at:.0%}, {done:.0%} committed)")
@@ -187,7 +187,7 @@ class _Soak:
             if time.monotonic() - last_line >= 2.0:
                 last_line = time.monotonic()
                 print(f"{time.strftime('%H:%M:%S')} {progress.rows_done}/{progress.num_requests} rows, "
-                      f"shards {progress.count('committed')}/{len(progress.shards)} committed, "
+                      f"shards {progress.count('committed')}/{progress.num_shards} committed, "
                       f"kills {self.figures['kills']}", flush=True)
             time.sleep(0.25)
         self.figures["elapsed_s"] = f"timed out after {self.args.timeout:.0f} s"

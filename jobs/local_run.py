@@ -295,9 +295,9 @@ def _interrupt_on(*signals: int) -> Iterator[None]:
 
 def describe_interrupted(progress: JobProgress) -> str:
     """Where an interrupted job stands, from its lease files (the truth, not a guess)."""
-    total = len(progress.shards)
+    total = progress.num_shards
     committed, failed = progress.count(ShardState.COMMITTED), progress.count(ShardState.FAILED)
-    rows = sum(s.num_requests for s in progress.shards if s.state is ShardState.COMMITTED)
+    rows = progress.committed_rows
     rest = total - committed - failed
     return (f"job {progress.job_id}: interrupted with {committed} of {total} shard(s) committed "
             f"({rows} of {progress.num_requests} rows), {failed} failed, {rest} queued to run")
@@ -344,7 +344,7 @@ class _Bar:
         self.bar.n = progress.rows_done
         done = progress.count(ShardState.COMMITTED)
         self.bar.set_postfix_str(f"{_tok_s(progress, gen_start):.1f} tok/s, shards "
-                                 f"{done}/{len(progress.shards)}", refresh=False)
+                                 f"{done}/{progress.num_shards}", refresh=False)
         self.bar.refresh()
 
     def close(self) -> None:
@@ -386,7 +386,7 @@ def progress_line(progress: JobProgress, gen_start: float | None) -> str:
     eta = ""
     if done and elapsed > 0 and done < total:
         eta = f", ETA {_duration(elapsed / done * (total - done))}"
-    shards = f"{progress.count(ShardState.COMMITTED)}/{len(progress.shards)}"
+    shards = f"{progress.count(ShardState.COMMITTED)}/{progress.num_shards}"
     return (f"{time.strftime('%H:%M:%S')} {progress.job_id}: {done}/{total} rows "
             f"({100.0 * done / max(total, 1):.0f}%), shards {shards} committed, "
             f"{progress.count('running')} running, {_tok_s(progress, gen_start):.1f} tok/s{eta}")
@@ -407,7 +407,7 @@ def _log_progress(progress: JobProgress, gen_start: float | None) -> None:
     fields = {"job_id": progress.job_id, "rows_done": progress.rows_done,
               "num_requests": progress.num_requests,
               "output_tokens_per_s": round(_tok_s(progress, gen_start), 2),
-              "shards_committed": progress.count(ShardState.COMMITTED), "num_shards": len(progress.shards)}
+              "shards_committed": progress.count(ShardState.COMMITTED), "num_shards": progress.num_shards}
     log.info("job %(job_id)s: %(rows_done)d/%(num_requests)d rows, %(output_tokens_per_s).1f tok/s, "
              "shards %(shards_committed)d/%(num_shards)d", fields, extra=fields)
 

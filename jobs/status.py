@@ -118,7 +118,7 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
     finally:
         con.close()
     counts = job_counts(manifest.data_dir, job, broken.get("outputs"))
-    progress = {s.shard_id: s for s in job_progress(manifest).shards}
+    progress = {s.shard_id: s for s in job_progress(manifest).active}  # running ones among them
     for shard in shards:
         live = progress.get(shard["shard_id"])
         if shard["status"] == ShardState.RUNNING.view_status and live is not None:

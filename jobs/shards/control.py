@@ -56,10 +56,10 @@ def retry_stuck_shards(manifest: JobManifest, broker: BrokerSettings,
     leases, store = ledger.leases, ledger.store
     claims = leases.claimed_attempts()
     live = live_shard_messages(broker, held_within_s=leases.ttl_s) or set()  # held longer: no one runs it
-    stuck = []
+    stuck, republished = [], leases.republished()
     for info in manifest.shards:
         attempts = claims.get(info.shard_id, [])
-        since = waiting_since(manifest, leases, info.shard_id, attempts)
+        since = waiting_since(manifest, leases, info.shard_id, attempts, republished)
         if since is None or info.shard_id in skip or (manifest.job_id, info.shard_id) in live:
             continue
         if store.committed(manifest.job_id, info.shard_id) is not None:

@@ -9,6 +9,13 @@ died holding a shard. So the jobs layer tracks attempts itself, in DATA_DIR/jobs
     shard-000003.a002.requeued   created with O_EXCL by the one checker that re-queued a dead attempt
     shard-000003.republished-<ms> created with O_EXCL by the one checker that re-published a shard
                                  waiting since <ms> whose message the broker no longer holds
+    changes/<host>-<pid>.log     "<shard> <attempt> <state>" appended by the writing process before it
+                                 creates a claim or writes an end state, and "<shard> <attempt> done"
+                                 once that is done (heartbeats write none): which shards a progress
+                                 poll must read, and which of them a writer may still be changing
+    changes/summary.json         what progress polls learned: the shards found committed or failed,
+                                 their sums, the shards still to watch, how far each log was read
+                                 (jobs.shards.supervise.job_progress)
 
 Rules:
 - The next attempt of a shard is 1 + the highest claimed number; only the process whose O_EXCL
@@ -18,16 +25,22 @@ Rules:
   finishes the shard, or dies and is re-queued by `requeue_dead_shards` (jobs.shards.supervise).
 - A claimant checks before committing that no newer claim exists (it was presumed dead): if one
   does, it steps aside. The store's "first commit wins" covers the remaining race.
+- Every claim and every end state is noted in the process's change log before the file that makes it
+  exists, and noted done after: a reader that read the logs and then the lease files missed no change
+  it did not see noted, and knows which shards' files a writer may be changing still (one that died
+  between the two lines leaves its shard read on every poll, never counted from memory).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,6 +56,10 @@ HEARTBEAT_FRACTION = 0.2  # heartbeats are written every ttl * this
 ENDED = tuple(s for s in ShardState if s.ended)
 
 _CLAIM_RE = re.compile(r"^shard-(\d{6})\.a(\d{3,})\.claim$")
+_REPUBLISHED_RE = re.compile(r"^shard-(\d{6})\.republished-")
+CHANGES_DIR = "changes"  # the change logs and the progress summary, inside a job's lease directory
+DONE = "done"  # a change log's word for "the change noted before is written"
+_LOG_NAME = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())  # + "-<pid>.log"
 
 
 def lease_ttl_s() -> float:
@@ -210,16 +227,48 @@ class ShardLeases:
         if latest is not None and latest.alive(now, self.ttl_s):
             return None
         attempt = attempts[-1] + 1 if attempts else 1
-        if not _create_once(self.claim_file(shard_id, attempt)):
-            return None  # another delivery claimed it a moment ago
-        lease = Lease(self, shard_id, LeaseState(worker_id, socket.gethostname(), os.getpid(), attempt,
-                                                 ShardState.RUNNING, now, now))
-        try:
-            lease.write()
-        except OSError:  # a full disk: give the attempt number back, or it would look alive for a TTL
-            self.claim_file(shard_id, attempt).unlink(missing_ok=True)
-            raise
+        with self.noting(shard_id, attempt, ShardState.RUNNING):
+            if not _create_once(self.claim_file(shard_id, attempt)):
+                return None  # another delivery claimed it a moment ago
+            lease = Lease(self, shard_id, LeaseState(worker_id, socket.gethostname(), os.getpid(), attempt,
+                                                     ShardState.RUNNING, now, now))
+            try:
+                lease.write()
+            except OSError:  # a full disk: give the attempt number back, or it would look alive for a TTL
+                self.claim_file(shard_id, attempt).unlink(missing_ok=True)
+                raise
         return lease
+
+    # -- the change log (read by jobs.shards.supervise.job_progress)
+    @property
+    def changes(self) -> Path:
+        return self.directory / CHANGES_DIR
+
+    @contextlib.contextmanager
+    def noting(self, shard_id: int, attempt: int, state: ShardState) -> Iterator[None]:
+        """Around a claim (`state` running) or an end written to an attempt's files: noted before,
+        noted done after (also when it raised: whatever it wrote is written)."""
+        self.note(shard_id, attempt, state)
+        try:
+            yield
+        finally:
+            self.note(shard_id, attempt, None)
+
+    def note(self, shard_id: int, attempt: int, state: ShardState | None) -> None:
+        """Append "<shard> <attempt> <state>" (or "... done" for None) to this process's change log, in
+        one write (a process appends only to its own log, so no two writers share a file)."""
+        path = self.changes / f"{_LOG_NAME}-{os.getpid()}.log"
+        word = ShardState(state).value if state is not None else DONE
+        line = f"{shard_id} {attempt} {word}\n".encode()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
 
     def mark_requeued(self, shard_id: int, attempt: int) -> bool:
         """True for exactly one caller per dead attempt: that caller re-queues the shard."""
@@ -236,6 +285,23 @@ class ShardLeases:
             return 0.0
         marks = self.directory.glob(f"shard-{shard_id:06d}.republished-*")
         return max((p.stat().st_mtime for p in marks), default=0.0)
+
+    def republished(self) -> dict[int, float]:
+        """shard id -> when its message was last re-published, for every shard re-published: one listing
+        of the directory for the whole job (`last_republished` lists it for one shard)."""
+        found: dict[int, float] = {}
+        if not self.directory.is_dir():
+            return found
+        for entry in os.scandir(self.directory):
+            m = _REPUBLISHED_RE.match(entry.name)
+            if m:
+                try:
+                    mtime = entry.stat().st_mtime
+                except FileNotFoundError:
+                    continue
+                shard_id = int(m.group(1))
+                found[shard_id] = max(found.get(shard_id, 0.0), mtime)
+        return found
 
     def mark_republished(self, shard_id: int, since: float) -> bool:
         """True for exactly one caller per (shard, waiting since): that caller re-publishes it."""
@@ -279,8 +345,9 @@ class Lease:
             raise ValueError(f"lease end state must be one of {[str(s) for s in ENDED]}, got {state!r}")
         state = ShardState(state)
         with self._lock:
-            self.state.state, self.state.note, self.state.retry_at = state, note, retry_at
-            self._touch(rows_done, output_tokens)
+            with self.leases.noting(self.shard_id, self.attempt, state):
+                self.state.state, self.state.note, self.state.retry_at = state, note, retry_at
+                self._touch(rows_done, output_tokens)
 
     def _touch(self, rows_done: int | None, output_tokens: int | None) -> None:
         """Stamp the heartbeat, record progress where given, write the state (lock held)."""

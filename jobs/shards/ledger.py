@@ -201,9 +201,10 @@ class ShardLedger:
         attempt = latest.attempt if latest is not None else record.attempt
         view = AttemptView(shard_id, attempt, record.committed_ts, None, False)
         self.leases.directory.mkdir(parents=True, exist_ok=True)
-        self.leases.claim_file(shard_id, attempt).touch()
-        self._end_for(view, ShardState.COMMITTED, "lease files restored from the store's commit",
-                      worker=record.worker_id)
+        with self.leases.noting(shard_id, attempt, ShardState.RUNNING):
+            self.leases.claim_file(shard_id, attempt).touch()
+            self._end_for(view, ShardState.COMMITTED, "lease files restored from the store's commit",
+                          worker=record.worker_id)
         return True
 
     # -- internals

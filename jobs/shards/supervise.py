@@ -10,6 +10,8 @@ message for it (a flushed Redis, a lost broker file) is published again too.
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import time
@@ -18,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.broker import BrokerSettings
-from jobs.manifest import JobManifest, JobPaths, list_job_ids, load_manifest, shard_sizes
-from jobs.shards.leases import AttemptView, ShardLeases, env_seconds
+from jobs.manifest import JobManifest, JobPaths, RegularShards, list_job_ids, load_manifest, shard_sizes
+from jobs.shards.leases import DONE, AttemptView, ShardLeases, env_seconds
 from jobs.shards.ledger import ShardLedger
 from jobs.shards.state import ShardState
-from jobs.store import Store
+from jobs.store import Store, new_uid
 
 log = logging.getLogger(__name__)
 
@@ -43,39 +45,94 @@ class ShardProgress:
 
 @dataclass
 class JobProgress:
-    """Where a job stands: per shard, and summed."""
+    """Where a job stands: shards counted by state, rows and tokens summed, and the shards whose
+    state can still change listed (`active`); a shard never claimed, or committed or failed for good,
+    is only counted, so a poll costs the same at 1,000 shards as at 400,000."""
 
     job_id: str
     num_requests: int
     cancelled: bool  # a cancel was requested
-    shards: list[ShardProgress] = field(default_factory=list)
-
-    @property
-    def rows_done(self) -> int:
-        return sum(s.rows_done for s in self.shards)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(s.output_tokens for s in self.shards)
+    num_shards: int = 0
+    counts: dict[ShardState, int] = field(default_factory=dict)
+    rows_done: int = 0  # summed over every shard (all rows of a committed one)
+    output_tokens: int = 0
+    committed_rows: int = 0  # the rows of the committed shards
+    # every claimed shard not committed or failed for good: running, dead, retrying, waiting again after
+    # an attempt (or cancelled after a cancel), and a dead one the store says committed; by shard id
+    active: list[ShardProgress] = field(default_factory=list)
 
     def count(self, state: ShardState) -> int:
-        return sum(1 for s in self.shards if s.state == state)
+        return self.counts.get(ShardState(state), 0)
 
     @property
     def finished(self) -> bool:
         """Every shard is committed or failed for good (after a cancel: none is running any more)."""
         if self.cancelled:
-            return all(s.state not in (ShardState.RUNNING, ShardState.RETRYING) for s in self.shards)
-        return all(s.state.final for s in self.shards)
+            return self.count(ShardState.RUNNING) + self.count(ShardState.RETRYING) == 0
+        return self.count(ShardState.COMMITTED) + self.count(ShardState.FAILED) == self.num_shards
 
 
 def job_progress(manifest: JobManifest, store: Store | None = None) -> JobProgress:
-    """Progress of one job from its lease files (and the store's commits for dead-but-committed shards)."""
+    """Progress of one job from its lease files (and the store's commits for dead-but-committed shards).
+
+    A poll reads the change logs past where the last poll stopped (jobs.shards.leases: every claim and
+    every end is noted there before its file is written), then the lease files of the shards still
+    watched: those claimed and not yet seen committed or failed for good. What it learned goes into the
+    job's progress summary (`ProgressSummary`) for the next poll, whichever process makes it; a shard seen
+    final is counted from then on without a file read, until the logs note it changing again (`lose`, a
+    retry of a failed shard), and then the summary is built again from every lease file."""
+    paths = JobPaths.of(manifest.data_dir, manifest.job_id)
+    leases = ShardLeases(paths.leases)
+    cancelled = paths.cancel_marker.exists()
+    num_shards = len(manifest.shards)
+    summary = ProgressSummary.load(leases, num_shards)
+    changes, damaged, offsets = read_changes(leases, summary.offsets if summary is not None else {})
+    if summary is None or damaged or not summary.take(changes, num_shards):
+        summary = ProgressSummary.build(leases, num_shards)
+        summary.take(changes, num_shards)  # read before the scan: claims not made yet, writes not done
+    summary.changed |= offsets != summary.offsets
+    summary.offsets = offsets
+    now, rows_of = time.time(), _shard_rows(manifest)
+    counts = {ShardState.COMMITTED: summary.committed, ShardState.FAILED: summary.failed}
+    progress = JobProgress(manifest.job_id, manifest.num_requests, cancelled, num_shards, counts,
+                           summary.committed_rows + summary.failed_rows,
+                           summary.committed_tokens + summary.failed_tokens, summary.committed_rows)
+    # the counts and sums start from the summary's shards counted final; each shard read adds to them
+    # (one settled here adds itself to the summary too: `never` below takes the summary after the loop)
+    for shard_id in sorted(summary.watch):
+        watched = summary.watch[shard_id]
+        attempts = sorted(watched.attempts)
+        top = next((a for a in reversed(attempts) if leases.claim_file(shard_id, a).exists()), None)
+        view = leases.view(shard_id, top) if top is not None else None
+        shard = _shard_progress(shard_id, rows_of(shard_id), view, now, leases.ttl_s)
+        if shard.state.final and top == attempts[-1] and watched.pending == 0:
+            summary.settle(shard)  # committed or failed for good, as its file says, and no writer busy
+        elif shard.state is ShardState.DEAD and store is not None and store.committed(manifest.job_id,
+                                                                                         shard_id):
+            shard.state, shard.rows_done = ShardState.COMMITTED, shard.num_requests
+        if cancelled and shard.state in (ShardState.QUEUED, ShardState.DEAD):
+            shard.state = ShardState.CANCELLED
+        counts[shard.state] = counts.get(shard.state, 0) + 1
+        progress.rows_done += shard.rows_done
+        progress.output_tokens += shard.output_tokens
+        if shard.state is ShardState.COMMITTED:
+            progress.committed_rows += shard.num_requests
+        if shard.shard_id in summary.watch:
+            progress.active.append(shard)
+    never = num_shards - summary.committed - summary.failed - len(summary.watch)  # never claimed
+    waiting = ShardState.CANCELLED if cancelled else ShardState.QUEUED
+    counts[waiting] = counts.get(waiting, 0) + never
+    summary.save(leases)
+    return progress
+
+
+def every_shard_progress(manifest: JobManifest, store: Store | None = None) -> list[ShardProgress]:
+    """Every shard's progress, read from every lease file: a reference and a tool for tests and
+    debugging, whose cost grows with the job's shards; a poll uses `job_progress`."""
     paths = JobPaths.of(manifest.data_dir, manifest.job_id)
     leases = ShardLeases(paths.leases)
     claims = leases.claimed_attempts()
-    now = time.time()
-    progress = JobProgress(manifest.job_id, manifest.num_requests, paths.cancel_marker.exists())
+    now, cancelled, shards = time.time(), paths.cancel_marker.exists(), []
     for shard_id, num_requests in shard_sizes(manifest.shards):
         attempts = claims.get(shard_id, [])
         view = leases.view(shard_id, attempts[-1]) if attempts else None
@@ -83,10 +140,10 @@ def job_progress(manifest: JobManifest, store: Store | None = None) -> JobProgre
         dead = shard.state is ShardState.DEAD
         if dead and store is not None and store.committed(manifest.job_id, shard_id):
             shard.state, shard.rows_done = ShardState.COMMITTED, num_requests
-        if progress.cancelled and shard.state in (ShardState.QUEUED, ShardState.DEAD):
+        if cancelled and shard.state in (ShardState.QUEUED, ShardState.DEAD):
             shard.state = ShardState.CANCELLED
-        progress.shards.append(shard)
-    return progress
+        shards.append(shard)
+    return shards
 
 
 def _shard_progress(shard_id: int, num_requests: int, view: AttemptView | None, now: float,
@@ -102,6 +159,184 @@ def _shard_progress(shard_id: int, num_requests: int, view: AttemptView | None, 
     rows = num_requests if state is ShardState.COMMITTED else st.rows_done
     return ShardProgress(shard_id, num_requests, state, view.attempt, rows, st.output_tokens,
                          st.worker_id, st.note)
+
+
+def _shard_rows(manifest: JobManifest) -> Callable[[int], int]:
+    """shard id -> its rows, without a ShardInfo per shard for the regular cut."""
+    if isinstance(manifest.shards, RegularShards):
+        n, size = manifest.shards.num_requests, manifest.shards.shard_size
+        return lambda shard_id: min(size, n - shard_id * size)
+    return lambda shard_id: manifest.shards[shard_id].num_requests
+
+
+# ---------------------------------------------------------------- the progress summary
+
+SUMMARY_NAME = "summary.json"
+SUMMARY_VERSION = 1
+_SUMS = ("committed", "failed", "committed_rows", "committed_tokens", "failed_rows", "failed_tokens")
+# (shard id, attempt, state) as a change log notes it; state None: the change noted before is written
+Change = tuple[int, int, ShardState | None]
+
+
+def read_changes(leases: ShardLeases, offsets: dict[str, int]) -> tuple[list[Change], bool, dict[str, int]]:
+    """The changes noted in a job's logs past `offsets` (log name -> bytes read), whether a log was
+    damaged (it shrank, or holds a line that is not a change: a write cut short), and the offsets after
+    them (whole lines only: a line being written is read next time)."""
+    changes: list[Change] = []
+    damaged, read = False, dict(offsets)
+    try:
+        entries = [e for e in os.scandir(leases.changes) if e.name.endswith(".log")]
+    except FileNotFoundError:
+        return changes, damaged, read
+    for entry in sorted(entries, key=lambda e: e.name):
+        start = offsets.get(entry.name, 0)
+        size = entry.stat().st_size
+        if size < start:
+            damaged, read[entry.name] = True, 0
+            continue
+        if size == start:
+            continue  # nothing new: not even opened
+        with open(entry.path, "rb") as f:
+            f.seek(start)
+            data = f.read(size - start)
+        whole = data.rfind(b"\n") + 1
+        read[entry.name] = start + whole
+        for line in data[:whole].splitlines():
+            change = _parse_change(line)
+            if change is None:
+                damaged = True
+            else:
+                changes.append(change)
+    return changes, damaged, read
+
+
+def _parse_change(line: bytes) -> Change | None:
+    parts = line.split()
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        return None
+    word = parts[2].decode("ascii", "replace")
+    try:
+        return int(parts[0]), int(parts[1]), None if word == DONE else ShardState(word)
+    except ValueError:
+        return None
+
+
+@dataclass
+class Watched:
+    """A shard a poll reads: the attempt numbers noted, and how many noted changes are not noted done
+    (a writer is busy, or died busy: the shard's files are read, never counted from memory)."""
+
+    attempts: set[int] = field(default_factory=set)
+    pending: int = 0
+
+
+@dataclass
+class ProgressSummary:
+    """What progress polls learned of a job (DATA_DIR/jobs/<job>/leases/changes/summary.json): the
+    shards seen committed or failed for good (a bit each) with their rows and tokens summed, the
+    claimed shards still to watch (`Watched`), and how far each change log was read. Each poll reads
+    it, brings it up to date and writes it whole (atomically): two pollers writing at once leave one
+    of two true summaries."""
+
+    num_shards: int
+    offsets: dict[str, int] = field(default_factory=dict)
+    committed_bits: bytearray = field(default_factory=bytearray)
+    failed_bits: bytearray = field(default_factory=bytearray)
+    committed: int = 0
+    failed: int = 0
+    committed_rows: int = 0
+    committed_tokens: int = 0
+    failed_rows: int = 0
+    failed_tokens: int = 0
+    watch: dict[int, Watched] = field(default_factory=dict)
+    changed: bool = True
+
+    def __post_init__(self) -> None:
+        size = (self.num_shards + 7) // 8
+        self.committed_bits = self.committed_bits or bytearray(size)
+        self.failed_bits = self.failed_bits or bytearray(size)
+
+    @classmethod
+    def build(cls, leases: ShardLeases, num_shards: int) -> ProgressSummary:
+        """From the lease files alone: every claimed shard watched (the poll reads each once)."""
+        claims = leases.claimed_attempts()
+        return cls(num_shards, watch={s: Watched(set(a)) for s, a in claims.items() if 0 <= s < num_shards})
+
+    @classmethod
+    def load(cls, leases: ShardLeases, num_shards: int) -> ProgressSummary | None:
+        """The job's summary, or None when there is none (or it is of another shape: build one)."""
+        try:
+            data = json.loads((leases.changes / SUMMARY_NAME).read_text())
+            if data.get("version") != SUMMARY_VERSION or data.get("num_shards") != num_shards:
+                return None
+            summary = cls(num_shards, {str(k): int(v) for k, v in data["offsets"].items()},
+                          bytearray(base64.b64decode(data["committed_bits"])),
+                          bytearray(base64.b64decode(data["failed_bits"])),
+                          *(int(data[k]) for k in _SUMS),
+                          {int(s): Watched(set(a[1:]), int(a[0])) for s, a in data["watch"].items()},
+                          changed=False)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        size = (num_shards + 7) // 8
+        return summary if len(summary.committed_bits) == len(summary.failed_bits) == size else None
+
+    def final_state(self, shard_id: int) -> ShardState | None:
+        byte, bit = shard_id >> 3, 0x80 >> (shard_id & 7)
+        if self.committed_bits[byte] & bit:
+            return ShardState.COMMITTED
+        return ShardState.FAILED if self.failed_bits[byte] & bit else None
+
+    def take(self, changes: list[Change], num_shards: int) -> bool:
+        """Watch the shards the changes name; False when one names a shard counted final in another
+        way than it says (its commit was lost, a failed shard was queued again): the summary is stale."""
+        for shard_id, attempt, state in changes:
+            if not 0 <= shard_id < num_shards:
+                continue  # not a shard of this job (progress counts the manifest's shards only)
+            final = self.final_state(shard_id)
+            if final is not None:
+                if state is not None and state is not final:
+                    return False
+                continue  # the end the summary counted already (its file was read before its note)
+            watched = self.watch.setdefault(shard_id, Watched())
+            watched.attempts.add(attempt)
+            watched.pending += 1 if state is not None else -1
+            self.changed = True
+        return True
+
+    def settle(self, shard: ShardProgress) -> None:
+        """A watched shard whose latest attempt is committed or failed: counted, no longer read."""
+        byte, bit = shard.shard_id >> 3, 0x80 >> (shard.shard_id & 7)
+        if shard.state is ShardState.COMMITTED:
+            self.committed_bits[byte] |= bit
+            self.committed += 1
+            self.committed_rows += shard.rows_done
+            self.committed_tokens += shard.output_tokens
+        else:
+            self.failed_bits[byte] |= bit
+            self.failed += 1
+            self.failed_rows += shard.rows_done
+            self.failed_tokens += shard.output_tokens
+        del self.watch[shard.shard_id]
+        self.changed = True
+
+    def save(self, leases: ShardLeases) -> None:
+        """Written whole, atomically, when it changed and the job has lease files; a read-only data dir
+        keeps none (each poll then builds its own)."""
+        if not self.changed or not leases.directory.is_dir():
+            return
+        data = {"version": SUMMARY_VERSION, "num_shards": self.num_shards, "offsets": self.offsets,
+                "committed_bits": base64.b64encode(bytes(self.committed_bits)).decode("ascii"),
+                "failed_bits": base64.b64encode(bytes(self.failed_bits)).decode("ascii"),
+                **{k: getattr(self, k) for k in _SUMS},
+                "watch": {str(s): [w.pending, *sorted(w.attempts)] for s, w in self.watch.items()}}
+        path = leases.changes / SUMMARY_NAME
+        tmp = path.with_name(f".{SUMMARY_NAME}.{new_uid()}.tmp")
+        try:
+            leases.changes.mkdir(exist_ok=True)
+            tmp.write_text(json.dumps(data, separators=(",", ":")))
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- re-queueing
@@ -190,11 +425,13 @@ def republish_after_s() -> float:
     return env_seconds(REPUBLISH_AFTER_ENV, DEFAULT_REPUBLISH_AFTER_S)
 
 
-def waiting_since(manifest: JobManifest, leases: ShardLeases, shard_id: int,
-                  attempts: list[int]) -> float | None:
+def waiting_since(manifest: JobManifest, leases: ShardLeases, shard_id: int, attempts: list[int],
+                  republished: dict[int, float] | None = None) -> float | None:
     """When a shard began waiting for a worker with no live attempt (never claimed, handed back, or
     re-queued after its worker died), or when its message was last re-published; None when it is
-    not waiting (running, retrying, committed, failed, cancelled)."""
+    not waiting (running, retrying, committed, failed, cancelled). `republished`: the job's
+    `ShardLeases.republished()`, listed once by a caller asking for every shard (else the directory
+    is listed for this shard)."""
     view = leases.view(shard_id, attempts[-1]) if attempts else None
     if view is None:
         since = manifest.submitted_ts
@@ -204,7 +441,8 @@ def waiting_since(manifest: JobManifest, leases: ShardLeases, shard_id: int,
         since = view.state.heartbeat_ts if view.state is not None else view.claimed_ts
     else:
         return None
-    return max(since, leases.last_republished(shard_id))
+    last = republished.get(shard_id, 0.0) if republished is not None else leases.last_republished(shard_id)
+    return max(since, last)
 
 
 def _republish_lost(manifest: JobManifest, store: Store, broker: BrokerSettings, leases: ShardLeases,
@@ -215,9 +453,9 @@ def _republish_lost(manifest: JobManifest, store: Store, broker: BrokerSettings,
     from jobs.shards.broker_messages import live_shard_messages
 
     now, limit = time.time(), republish_after_s()
-    stale = {}
+    stale, republished = {}, leases.republished()  # one listing, not one per waiting shard
     for info in manifest.shards:
-        since = waiting_since(manifest, leases, info.shard_id, claims.get(info.shard_id, []))
+        since = waiting_since(manifest, leases, info.shard_id, claims.get(info.shard_id, []), republished)
         if since is not None and now - since > limit:
             stale[info.shard_id] = since
     if not stale:

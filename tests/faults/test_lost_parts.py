@@ -15,7 +15,7 @@ import pytest
 
 from jobs.manifest import load_manifest
 from jobs.shard_runner import ShardTask, process_shard
-from jobs.shards.supervise import job_progress
+from jobs.shards.supervise import every_shard_progress, job_progress
 from jobs.store import Layout, catalog
 from tests.faults.datadirs import batchgen, run_args, run_job, write_input
 from tests.jobs.helpers import job_status, query, shards_of, worker_runtime
@@ -82,12 +82,12 @@ def test_store_check_marks_the_shard_and_retry_takes_it(runtime, tmp_path, how):
     status = batchgen("status", m.job_id, "--data-dir", str(data), "--no-requeue")
     assert status.returncode == 0 and f"job {m.job_id}: failed" in status.stdout, status.stdout
     assert "a part file was lost or damaged" in status.stdout
-    assert [s.state for s in job_progress(m).shards].count("failed") == 1
+    assert [s.state for s in every_shard_progress(m)].count("failed") == 1 == job_progress(m).count("failed")
 
     retried = batchgen("retry", m.job_id, "--data-dir", str(data))
     assert retried.returncode == 0, retried.stdout + retried.stderr
     assert f"re-queued failed shard(s) {LOST_SHARD}" in retried.stdout
-    assert job_progress(m).shards[LOST_SHARD].state == "queued"
+    assert every_shard_progress(m)[LOST_SHARD].state == "queued"
     # a worker takes the message retry published
     outcome = process_shard(ShardTask(m.job_id, LOST_SHARD, m.data_dir), runtime)
     assert outcome.result == "committed", outcome

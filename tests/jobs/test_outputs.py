@@ -22,7 +22,7 @@ from jobs.export import ExportError, errors_path, export_job
 from jobs.manifest import JobPaths, load_manifest, write_manifest
 from jobs.shard_runner import ShardTask, plan_requests, process_shard, sample_seed
 from jobs.shards.leases import ShardLeases
-from jobs.shards.supervise import job_progress
+from jobs.shards.supervise import every_shard_progress, job_progress
 from jobs.submit import JobRequest, prepare_job
 from tests.jobs.helpers import MODEL, one_torch_thread, outputs_of, query, shards_of, wait_for, worker_runtime
 from tests.jobs.test_jsonl_input import COMPLETIONS, chat, request, write_jsonl
@@ -304,7 +304,8 @@ def test_hand_back_ends_the_attempt_and_queues_the_shard_without_a_retry(data_di
         assert late.result == "handed_back", "a delivery after the interrupt is handed back unstarted"
     leases = ShardLeases(JobPaths.of(m.data_dir, m.job_id).leases)
     assert leases.view(0, 1).state.state == "handed_back"
-    assert job_progress(m).shards[0].state == "queued"
+    assert every_shard_progress(m)[0].state == "queued"
+    assert [s.state for s in job_progress(m).active if s.shard_id == 0] == ["queued"]
     assert shards_of(data_dir, m.job_id)[0]["status"] == "queued"
     assert outputs_of(data_dir, m.job_id) == [], "a handed-back attempt's rows never count"
 

@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams
 from jobs.cli import cli
 from jobs.manifest import JobPaths
 from jobs.shards.leases import ShardLeases
-from jobs.shards.supervise import job_progress
+from jobs.shards.supervise import every_shard_progress, job_progress
 from jobs.submit import JobRequest, prepare_job, publish_job
 from tests.jobs.helpers import (
     MODEL,
@@ -192,9 +192,9 @@ def test_sigterm_finishes_the_shards_in_flight_and_hands_back_the_rest(tmp_path)
         signalled = time.time()
         assert ws[0].stop(timeout=120) == 0, logs(ws)
         assert "Warm shutdown" in ws[0].log()
-        progress = job_progress(m)
-        started = [s for s in progress.shards if s.state != "queued"]
-        assert len(started) >= 2 and all(s.state == "committed" for s in started), progress
+        progress, shards = job_progress(m), every_shard_progress(m)
+        started = [s for s in shards if s.state != "queued"]
+        assert len(started) >= 2 and all(s.state == "committed" for s in started), shards
         leases = ShardLeases(JobPaths.of(data_dir, m.job_id).leases)
         starts = [leases.latest(s.shard_id).state.started_ts for s in started]
         assert max(starts) < signalled, "no shard began after the signal"
