@@ -19,7 +19,7 @@ them is).
 A tombstone (`store/gc/*.json`, written by the compactor after its output is renamed into place)
 names the compaction's inputs and, since this module, its output; one without an output (written by
 an older batchgen) leaves its inputs listed. Tombstones never change once written, so their content
-is kept between listings (`_TOMBSTONES`).
+is kept between listings (`merged_files`).
 """
 
 from __future__ import annotations
@@ -64,10 +64,9 @@ def list_files(layout: Layout, job_id: str | None = None) -> Listing:
              else _job_files(layout, kind, job_id) for kind in KINDS}
     listed = {path for paths in files.values() for path in paths}
     merged: set[str] = set()
-    for info in read_tombstones(layout.gc):  # after the data: a tombstone follows its output
-        output = info.get("output")
-        if output is not None and str(layout.file(output)) in listed:
-            merged.update(str(layout.file(p)) for p in info["files"])
+    for output, inputs in merged_files(layout):  # after the data: a tombstone follows its output
+        if output in listed:
+            merged.update(inputs)
     # a kind with no file at all (its `_schema.parquet` gone) keeps its glob: the same error as before
     kept = {kind: [p for p in paths if p not in merged] or [layout.glob(kind)]
             for kind, paths in files.items()}
@@ -102,7 +101,8 @@ def _walk(directory: Path) -> list[str]:
     return sorted(found)
 
 
-_TOMBSTONES: dict[str, dict] = {}  # path -> content (a tombstone is written once, atomically)
+# tombstone path -> (its output, its inputs), absolute; a tombstone is written once, atomically
+_TOMBSTONES: dict[str, tuple[str | None, tuple[str, ...]]] = {}
 _TOMBSTONES_LOCK = threading.Lock()
 
 
@@ -114,8 +114,11 @@ def read_tombstone(path: Path) -> dict | None:
         return None
 
 
-def read_tombstones(gc_dir: Path) -> list[dict]:
-    """The content of every tombstone in `gc_dir` now (each file read once per process)."""
+def merged_files(layout: Layout) -> list[tuple[str | None, tuple[str, ...]]]:
+    """(output, inputs) of every compaction whose tombstone is in the data dir now, as absolute paths;
+    the output is None in a tombstone written before they named it. Each tombstone is read once per
+    process."""
+    gc_dir = str(layout.gc)
     try:
         names = [e.path for e in os.scandir(gc_dir) if e.name.endswith(".json")]
     except FileNotFoundError:
@@ -123,16 +126,19 @@ def read_tombstones(gc_dir: Path) -> list[dict]:
     out = []
     with _TOMBSTONES_LOCK:
         for gone in set(_TOMBSTONES).difference(names):
-            if gone.startswith(str(gc_dir) + os.sep):
+            if os.path.dirname(gone) == gc_dir:
                 del _TOMBSTONES[gone]
         for name in names:
-            info = _TOMBSTONES.get(name)
-            if info is None:
+            found = _TOMBSTONES.get(name)
+            if found is None:
                 info = read_tombstone(Path(name))
                 if info is None:
                     continue
-                _TOMBSTONES[name] = info
-            out.append(info)
+                output = info.get("output")
+                found = (None if output is None else str(layout.file(output)),
+                         tuple(str(layout.file(p)) for p in info["files"]))
+                _TOMBSTONES[name] = found
+            out.append(found)
     return out
 
 
