@@ -183,21 +183,43 @@ QUALIFY w._bg_attempt_id IS NOT NULL
 """
 
 # The last event of the latest attempt decides (a zombie attempt's late event does not win over a
-# newer attempt). A retry's `queued` event carries the attempt number about to run.
+# newer attempt). A retry's `queued` event carries the attempt number about to run. Each key is
+# (attempt, ts, rank). Every shard has a first `queued` event (attempt 0, from submit), a job's shards
+# once each: those are aggregated on their own with plain maxima, and the few other events with the
+# full set, then the larger key decides per shard (the two halves of one arg_max), so a 400,000-shard
+# job does not run the costly aggregates 400,000 times.
 _SHARD_EVENT_AGG = """
-SELECT job_id, shard_id,
-    arg_max(event, (attempt, ts, rank)) AS last_event,
-    arg_max(error, (attempt, ts, rank)) AS last_error,
-    arg_max(ts, (attempt, ts, rank)) AS last_ts,
-    arg_max(worker_id, (attempt, ts)) FILTER (WHERE event = 'running') AS last_worker,
-    -- attempts started: distinct attempt ids, or distinct attempt numbers where events carry no id
-    greatest(count(DISTINCT nullif(_bg_attempt_id, '')) FILTER (WHERE event = 'running'),
-             count(DISTINCT attempt) FILTER (WHERE event = 'running')) AS attempts_started,
-    max(num_requests) AS num_requests,
-    min(ts) FILTER (WHERE event = 'running') AS first_running_ts
-FROM (SELECT *, CASE event WHEN 'queued' THEN 0 WHEN 'running' THEN 1 ELSE 2 END AS rank
-      FROM _bg.scan_shard_events)
-GROUP BY job_id, shard_id
+WITH e AS MATERIALIZED (
+    SELECT *, CASE event WHEN 'queued' THEN 0 WHEN 'running' THEN 1 ELSE 2 END AS rank,
+           event = 'queued' AND attempt = 0 AS first_queued
+    FROM _bg.scan_shard_events
+), q AS (
+    SELECT job_id, shard_id, max((attempt, ts, rank)) AS k, arg_max(error, (attempt, ts, rank)) AS last_error,
+           max((attempt, ts, rank)) FILTER (WHERE error IS NOT NULL) AS ek,
+           max(ts) AS last_ts, max(num_requests) AS num_requests
+    FROM e WHERE first_queued GROUP BY job_id, shard_id
+), o AS (
+    SELECT job_id, shard_id, max((attempt, ts, rank)) AS k,
+        arg_max(event, (attempt, ts, rank)) AS last_event,
+        arg_max(error, (attempt, ts, rank)) AS last_error,
+        max((attempt, ts, rank)) FILTER (WHERE error IS NOT NULL) AS ek,
+        arg_max(ts, (attempt, ts, rank)) AS last_ts,
+        arg_max(worker_id, (attempt, ts)) FILTER (WHERE event = 'running') AS last_worker,
+        -- attempts started: distinct attempt ids, or distinct attempt numbers where events carry no id
+        greatest(count(DISTINCT nullif(_bg_attempt_id, '')) FILTER (WHERE event = 'running'),
+                 count(DISTINCT attempt) FILTER (WHERE event = 'running')) AS attempts_started,
+        max(num_requests) AS num_requests,
+        min(ts) FILTER (WHERE event = 'running') AS first_running_ts
+    FROM e WHERE NOT first_queued GROUP BY job_id, shard_id
+)
+SELECT coalesce(o.job_id, q.job_id) AS job_id, coalesce(o.shard_id, q.shard_id) AS shard_id,
+    CASE WHEN o.k IS NULL OR q.k > o.k THEN 'queued' ELSE o.last_event END AS last_event,
+    -- arg_max skips NULL: the error is that of the latest event that has one (`ek`)
+    CASE WHEN o.ek IS NULL OR q.ek > o.ek THEN q.last_error ELSE o.last_error END AS last_error,
+    CASE WHEN o.k IS NULL OR q.k > o.k THEN q.last_ts ELSE o.last_ts END AS last_ts,
+    o.last_worker, coalesce(o.attempts_started, 0) AS attempts_started,
+    greatest(o.num_requests, q.num_requests) AS num_requests, o.first_running_ts
+FROM o FULL JOIN q ON q.job_id = o.job_id AND q.shard_id = o.shard_id
 """
 
 # winners and the event aggregate each read once (materialized), not once per reference: a scan of

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from jobs.store.catalog import USER_VIEWS, connect, write_catalog
 from jobs.store.layout import SCHEMA_VERSION, StoreError
@@ -273,3 +275,55 @@ def test_attempt_objects_can_be_built_without_a_running_event(tmp_path):
     att.commit()
     con = connect(tmp_path)
     assert _one(con, "SELECT status, attempts FROM shards") == [("completed", 1)]
+
+
+# The straightforward definition of the shard event aggregate (one aggregate over every event), which
+# catalog._SHARD_EVENT_AGG computes in two halves for speed
+_REFERENCE_EVENT_AGG = """
+SELECT job_id, shard_id,
+    arg_max(event, (attempt, ts, rank)) AS last_event,
+    arg_max(error, (attempt, ts, rank)) AS last_error,
+    arg_max(ts, (attempt, ts, rank)) AS last_ts,
+    arg_max(worker_id, (attempt, ts)) FILTER (WHERE event = 'running') AS last_worker,
+    greatest(count(DISTINCT nullif(_bg_attempt_id, '')) FILTER (WHERE event = 'running'),
+             count(DISTINCT attempt) FILTER (WHERE event = 'running')) AS attempts_started,
+    max(num_requests) AS num_requests,
+    min(ts) FILTER (WHERE event = 'running') AS first_running_ts
+FROM (SELECT *, CASE event WHEN 'queued' THEN 0 WHEN 'running' THEN 1 ELSE 2 END AS rank
+      FROM _bg.scan_shard_events)
+GROUP BY job_id, shard_id
+"""
+
+_EVENTS = ["queued", "running", "completed", "failed", "cancelled"]
+_EVENT = st.tuples(st.integers(0, 3), st.sampled_from(_EVENTS),
+                   st.integers(0, 3), st.integers(0, 30), st.sampled_from([None, "boom", "stop"]),
+                   st.sampled_from(["", "a1", "a2"]), st.sampled_from([None, 3, 5]))
+
+
+@given(st.lists(_EVENT, max_size=30))
+@example([(0, "cancelled", 0, 5, None, "", None), (0, "queued", 0, 10, None, "", None)])  # queued again
+@example([(1, "running", 1, 3, None, "a1", 5), (1, "failed", 1, 4, "boom", "a1", None),
+          (1, "queued", 2, 6, None, "", None), (2, "cancelled", 0, 2, "stop", "", None)])
+@example([(0, "queued", 0, 2, "boom", "", None), (0, "queued", 1, 1, None, "", None)])  # arg_max skips NULL
+@settings(max_examples=150, deadline=None)
+def test_the_shard_event_aggregate_equals_one_aggregate_over_every_event(events):
+    """Every shard's first `queued` event (attempt 0) is aggregated apart from the others: the result
+    is the one aggregate's, ties in a key aside (the events here have distinct times per shard)."""
+    from jobs.store import catalog
+
+    con = duckdb.connect()
+    con.execute("CREATE SCHEMA _bg")
+    con.execute("CREATE TABLE _bg.scan_shard_events (job_id VARCHAR, shard_id INTEGER, event VARCHAR, "
+                "attempt INTEGER, ts DOUBLE, error VARCHAR, worker_id VARCHAR, _bg_attempt_id VARCHAR, "
+                "num_requests INTEGER)")
+    seen, rows = set(), []
+    for shard, event, attempt, ts, error, attempt_id, num_requests in events:
+        if (shard, ts) in seen:
+            continue  # one event per shard and time: arg_max of a tie may take either
+        seen.add((shard, ts))
+        rows.append(("j", shard, event, attempt, float(ts), error, f"w{attempt}", attempt_id, num_requests))
+    for shard in range(4):  # submit's first queued events, before any other
+        rows.append(("j", shard, "queued", 0, -1.0, None, "", "", 7))
+    con.executemany("INSERT INTO _bg.scan_shard_events VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    got = sorted(con.execute(catalog._SHARD_EVENT_AGG).fetchall(), key=repr)
+    assert got == sorted(con.execute(_REFERENCE_EVENT_AGG).fetchall(), key=repr)
