@@ -187,3 +187,14 @@ def _vm_hwm(pid: int) -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmHWM in /proc status")
+
+
+def test_the_query_child_picks_its_own_arrow_pool_whatever_the_parent_uses(monkeypatch):
+    """`batchgen` gives its own process the system allocator (jobs.cli); the capped query child keeps
+    mimalloc, with which an oversize query fails in under a second instead of ~10 s."""
+    from jobs.store import sqlsandbox
+
+    monkeypatch.setenv("ARROW_DEFAULT_MEMORY_POOL", "system")
+    env = sqlsandbox.child_env()
+    assert env["ARROW_DEFAULT_MEMORY_POOL"] == sqlsandbox.CHILD_ARROW_POOL == "mimalloc"
+    assert env["MALLOC_ARENA_MAX"] == "2" and sqlsandbox._import_root() in env["PYTHONPATH"]
