@@ -706,11 +706,12 @@ class Section:
 
 
 def run_sections(sections: list[Section], ctx: Context, out_dir: Path, budget_s: float,
-                 env: dict[str, str] | None = None, results: Results | None = None) -> Results:
+                 env: dict[str, str] | None = None, results: Results | None = None,
+                 min_section_s: float = MIN_SECTION_S) -> Results:
     """Run each section in a process of its own under min(its limit, what is left of the budget),
     killing it (and every process it started) when it runs over; rewrite the table and JSON after
-    each (into `results`, when given). A tuned table that the tuning section wrote is named for the
-    sections after it."""
+    each (into `results`, when given). A section whose limit would be under `min_section_s` is
+    SKIPPED. A tuned table that the tuning section wrote is named for the sections after it."""
     results = Results() if results is None else results
     results.meta.update(device=ctx.device, dtype=ctx.dtype, quick=ctx.quick, budget_s=budget_s)
     env = dict(os.environ if env is None else env)
@@ -719,7 +720,7 @@ def run_sections(sections: list[Section], ctx: Context, out_dir: Path, budget_s:
     for section in sections:
         left = end - time.monotonic()
         limit = min(section.limit_s, left)
-        if limit < MIN_SECTION_S:
+        if limit < min_section_s:
             results.rows.append(Row(section.name, "section", f"{left:.0f} s left of the {budget_s:.0f} s "
                                     "budget", status="SKIPPED"))
         else:

@@ -89,17 +89,23 @@ def _alive(pid: int) -> bool:
     return not stat.exists() or stat.read_text().rpartition(")")[2].split()[:1] != ["Z"]
 
 
+# The hung sections' limits here are under MIN_SECTION_S (which only keeps a real run from starting a
+# section it cannot finish): run_sections takes the minimum as a parameter, so they wait out seconds,
+# not tens of them. HANG_S leaves a section's process time to start and write its first row.
+HANG_S = 8
+
+
 def test_every_section_ends_within_its_limit_and_each_failure_is_a_failed_row(tmp_path):
-    sections = _sections(("first", "measures", 60), ("hung", "hangs", 20), ("raising", "raises", 60),
+    sections = _sections(("first", "measures", 60), ("hung", "hangs", HANG_S), ("raising", "raises", 60),
                          ("dying", "dies", 60), ("last", "reads_the_table", 60))
     t0 = time.monotonic()
-    results = gpu_check.run_sections(sections, _ctx(tmp_path), tmp_path, budget_s=400)
+    results = gpu_check.run_sections(sections, _ctx(tmp_path), tmp_path, budget_s=400, min_section_s=1)
     took = time.monotonic() - t0
     rows = {(r.section, r.item): r for r in results.rows}
     assert rows[("first", "measured")].status == "ok" and rows[("first", "measured")].value == "1.5"
     assert rows[("hung", "started")].status == "ok"  # what it wrote before it hung is kept
     hung = rows[("hung", "section")]
-    assert (hung.status, hung.value) == ("FAILED", "timed out: killed after 20 s")
+    assert (hung.status, hung.value) == ("FAILED", f"timed out: killed after {HANG_S} s")
     assert not _alive(results.data["hung"]["helper_pid"])  # its helper process was killed with it
     raised = rows[("raising", "raised")]
     assert raised.status == "FAILED"
@@ -107,7 +113,7 @@ def test_every_section_ends_within_its_limit_and_each_failure_is_a_failed_row(tm
     assert rows[("raising", "before the error")].status == "ok"
     dying = rows[("dying", "section")]
     assert dying.status == "FAILED" and "exited with code 3" in dying.value
-    assert took < 20 + 4 * 60  # each section's own limit held (the hang cost its 20 s, no more)
+    assert took < HANG_S + 4 * 60  # each section's own limit held (the hang cost its HANG_S, no more)
     before = results.data["last"]["table"]  # the table as it was when the last section began
     assert "| first | measured | 1.5 |" in before and "FAILED: timed out" in before and "| dying |" in before
     assert results.failures == 3
@@ -119,12 +125,29 @@ def test_every_section_ends_within_its_limit_and_each_failure_is_a_failed_row(tm
 def test_the_budget_bounds_the_whole_run_and_a_section_left_without_time_is_skipped(tmp_path):
     sections = _sections(("hung", "hangs", 100), ("after", "measures", 100))
     t0 = time.monotonic()
-    results = gpu_check.run_sections(sections, _ctx(tmp_path), tmp_path, budget_s=30)
-    assert time.monotonic() - t0 < 45
+    results = gpu_check.run_sections(sections, _ctx(tmp_path), tmp_path, budget_s=4, min_section_s=1)
+    assert time.monotonic() - t0 < 4 + 15
     rows = {(r.section, r.item): r for r in results.rows}
-    assert rows[("hung", "section")].value == "timed out: killed after 30 s"
+    assert rows[("hung", "section")].value == "timed out: killed after 4 s"
     assert rows[("after", "section")].status == "SKIPPED"
-    assert "left of the 30 s budget" in rows[("after", "section")].value
+    assert "left of the 4 s budget" in rows[("after", "section")].value
+
+
+def test_by_default_a_section_with_less_than_min_section_s_is_skipped_unstarted(tmp_path, monkeypatch):
+    """The production minimum (what main() runs with): a section whose limit, or what is left of the
+    budget, is under MIN_SECTION_S is a SKIPPED row and no process; one at the minimum runs."""
+    started = []
+    monkeypatch.setattr(gpu_check, "_run_one", lambda section, *args: started.append(section.name))
+    least = gpu_check.MIN_SECTION_S
+    sections = [Section("short", "x:y", least - 0.5), Section("enough", "x:y", least + 0.5)]
+    results = gpu_check.run_sections(sections, _ctx(tmp_path), tmp_path, budget_s=400)
+    assert started == ["enough"]
+    assert [(r.section, r.status) for r in results.rows] == [("short", "SKIPPED")]
+    results = gpu_check.run_sections([Section("after", "x:y", 100)], _ctx(tmp_path), tmp_path,
+                                     budget_s=least - 1)
+    assert started == ["enough"]
+    (row,) = results.rows
+    assert (row.status, row.value) == ("SKIPPED", f"{least - 1:.0f} s left of the {least - 1:.0f} s budget")
 
 
 def test_a_tuned_table_is_named_for_the_sections_after_tuning_only(tmp_path, monkeypatch):

@@ -1,11 +1,12 @@
 """The correctness reference: Hugging Face `transformers` on the same weights, in float32.
 
 `hf_greedy` runs `generate` greedily one prompt at a time (no padding, so no padding effects)
-and returns each step's top logprobs; `check_logprobs_close` compares two such result lists
-the way vLLM's tests do: outputs must agree token for token until they first differ, and at
-that step each side's token must be among the other side's top candidates (a near tie that
-float noise may break either way). After the first difference the sequences are no longer
-comparable, so the comparison stops there.
+and returns each step's top logprobs; `hf_greedy_along` returns the same as far as a comparison
+reads it, from one forward over a prompt and another generator's tokens. `check_logprobs_close`
+compares two such result lists the way vLLM's tests do: outputs must agree token for token until
+they first differ, and at that step each side's token must be among the other side's top
+candidates (a near tie that float noise may break either way). After the first difference the
+sequences are no longer comparable, so the comparison stops there.
 """
 
 from __future__ import annotations
@@ -61,6 +62,39 @@ def hf_greedy(
         steps = [_top_logprobs(logits[0], top_logprobs) for logits in out.logits]
         results.append((tokens, steps[:len(tokens)]))
     return results
+
+
+def hf_greedy_along(
+    model_dir: str | Path,
+    prompt_token_ids: list[int],
+    token_ids: list[int],
+    max_new_tokens: int,
+    top_logprobs: int = 5,
+) -> TokensAndLogprobs:
+    """hf_greedy's answer for one prompt as far as check_logprobs_close reads it, from one forward over
+    the prompt and another generator's greedy `token_ids` (teacher-forced) instead of a generate step
+    per token.
+
+    Up to the first step where transformers' argmax is not the given token, transformers' greedy
+    sequence is the given one, so the forward's rows are the logits its generate would see; at that
+    step transformers' own token ends the list (what follows it is never compared). Generation ends
+    as generate's does: at an eos id of generation_config.json or after `max_new_tokens`, so a given
+    sequence that stops early (no eos) gets transformers' next token, and lengths differ.
+    """
+    model = load_hf_model(str(model_dir))
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    start = len(prompt_token_ids) - 1
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_token_ids + token_ids], dtype=torch.long)).logits[0, start:]
+    tokens, steps = [], []
+    for step, row in enumerate(logits[:max_new_tokens]):
+        token = int(row.argmax())
+        tokens.append(token)
+        steps.append(_top_logprobs(row, top_logprobs))
+        if token in eos or step >= len(token_ids) or token != token_ids[step]:
+            break
+    return tokens, steps
 
 
 def hf_prompt_logprobs(model_dir: str | Path, token_ids: list[int]) -> torch.Tensor:
