@@ -42,17 +42,20 @@ def _job(store: Store, job_id: str, t0: float) -> None:
 PARAMS = {"limit": 20, "status": None, "offset": 0, "max_points": 50, "n": 10, "bins": 5}
 
 
-@pytest.fixture
-def two_jobs(tmp_path, monkeypatch):
-    """Two running jobs; job-a's parts merged and the inputs deleted (its rows only in compacted files)."""
-    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)
-    store = Store(tmp_path)
-    t0 = time.time() - 100
-    _job(store, "job-a", t0)
-    _job(store, "job-b", t0 + 0.5)
-    assert compact_live_job(tmp_path, "job-a", min_age_s=0, min_parts=2).groups > 0
-    assert collect_garbage(tmp_path, grace_s=0) > 0
-    return tmp_path
+@pytest.fixture(scope="module")
+def two_jobs(tmp_path_factory):
+    """Two running jobs; job-a's parts merged and the inputs deleted (its rows only in compacted files).
+    The tests only read it."""
+    data_dir = tmp_path_factory.mktemp("two-jobs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)  # so garbage collection may run at once
+        store = Store(data_dir)
+        t0 = time.time() - 100
+        _job(store, "job-a", t0)
+        _job(store, "job-b", t0 + 0.5)
+        assert compact_live_job(data_dir, "job-a", min_age_s=0, min_parts=2).groups > 0
+        assert collect_garbage(data_dir, grace_s=0) > 0
+    return data_dir
 
 
 @pytest.mark.parametrize("sql", sorted(queries.JOB_SCOPED), ids=lambda s: " ".join(s.split())[:60])
