@@ -12,11 +12,10 @@ view as before (`fetch_counts`).
 from __future__ import annotations
 
 import logging
-import time
 
 import duckdb
 
-from jobs.store import connect, pin_listing, unreadable_part_message
+from jobs.store import connect, execute_listed, unreadable_part_message
 
 log = logging.getLogger(__name__)
 
@@ -38,23 +37,11 @@ FROM (""" + REQUEST_OUTCOMES_SQL + """) GROUP BY job_id
 """
 
 
-FETCH_TRIES = 4  # a query whose part file the compactor deleted after it was listed runs again
-
-
 def fetch_rows(con, sql: str, params: list | None = None, job_id: str | None = None) -> list[dict]:
-    """A query's rows as dicts. A file error (a part the query listed was deleted by the compactor
-    before it was read: the views stay correct, the query only has to list again) runs it again, up
-    to FETCH_TRIES times in all. `job_id`: the answer depends on that job's rows alone (only its parts
-    are listed for the query)."""
-    for attempt in range(FETCH_TRIES):
-        try:
-            pin_listing(con, job_id=job_id)  # the store's files listed once for this try
-            cur = con.execute(sql, params or [])
-            break
-        except duckdb.IOException:
-            if attempt == FETCH_TRIES - 1:
-                raise
-            time.sleep(0.05 * (attempt + 1))
+    """A query's rows as dicts, over a listing of the store's files made for it and made again when a
+    part it listed was deleted before it was read (`jobs.store.execute_listed`). `job_id`: the answer
+    depends on that job's rows alone (only its parts are listed for the query)."""
+    cur = execute_listed(con, sql, params, job_id=job_id)
     names = [d[0] for d in cur.description]
     return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 

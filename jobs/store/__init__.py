@@ -37,6 +37,7 @@ Public API:
 - read: `connect(data_dir, read_only_user_sql=False, views=None) -> duckdb.DuckDBPyConnection` (`views`:
   only some views, e.g. `STATUS_VIEWS`); `pin_listing(con)`: the store's files listed once for the next
   queries, compaction's merged inputs left out (`listing.py`; `run_query` does it before each query),
+  `execute_listed(con, sql, params)`: a query over such a listing, listed and run again on a deleted part,
   `write_catalog(data_dir)` (`catalog.py`); `run_query`, `run_user_query`, `QueryResult`,
   `UserSqlError`, `QueryTimeout` (`usersql.py`); `QUERIES`, `run_named`, `README_EXAMPLES`
   (`queries.py`).
@@ -74,6 +75,7 @@ from jobs.store.layout import (
     new_uid,
     write_atomic,
 )
+from jobs.store.listing import execute_listed
 from jobs.store.listing import pin as pin_listing
 from jobs.store.parts import ShardAttempt, Store, TelemetryBuffer
 from jobs.store.queries import QUERIES, README_EXAMPLES, run_named
@@ -107,7 +109,7 @@ __all__ = [
     "README_EXAMPLES", "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout",
     "ShardAttempt", "ShardEvent", "Store", "StoreError", "SweepRecord", "TelemetryBuffer", "UserSqlError",
     "WorkerRecord", "check_id", "collect_garbage", "compact", "compact_job", "compact_telemetry", "connect",
-    "new_uid", "no_worker_warning", "pin_listing", "read_worker_records", "run_named", "run_query",
-    "run_user_query", "write_atomic", "write_catalog",
+    "execute_listed", "new_uid", "no_worker_warning", "pin_listing", "read_worker_records", "run_named",
+    "run_query", "run_user_query", "write_atomic", "write_catalog",
     "write_worker_record",
 ]

@@ -53,7 +53,7 @@ import duckdb
 from jobs.store import catalog
 from jobs.store.catalog import connect, write_catalog
 from jobs.store.layout import Layout, StoreError, check_id, init_data_dir, new_uid, write_atomic
-from jobs.store.listing import pin, read_tombstone
+from jobs.store.listing import execute_listed, read_tombstone
 from jobs.store.schemas import JOB_KINDS
 
 GRACE_S = 600.0  # inputs of a compaction are deleted this long after it
@@ -302,22 +302,14 @@ def _job_status(layout: Layout, job_id: str) -> str | None:
     return rows[0][0] if rows else None
 
 
-def _query(layout: Layout, sql: str, params: list | None = None, tries: int = 4) -> list[tuple]:
+def _query(layout: Layout, sql: str, params: list | None = None) -> list[tuple]:
     """Rows of a query over the views; run again when a part it listed was deleted before it was read
     (another process's garbage collection)."""
     con = connect(layout.root)
     try:
-        for attempt in range(tries):
-            try:
-                pin(con, layout)
-                return con.execute(sql, params or []).fetchall()
-            except duckdb.IOException:
-                if attempt == tries - 1:
-                    raise
-                time.sleep(0.05 * (attempt + 1))
+        return execute_listed(con, sql, params, layout=layout).fetchall()
     finally:
         con.close()
-    raise AssertionError("unreachable")
 
 
 def _groups(layout: Layout, kind: str) -> list[str]:

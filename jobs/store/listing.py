@@ -163,3 +163,23 @@ def data_dir_of(con: duckdb.DuckDBPyConnection) -> str | None:
         return con.execute(f"SELECT {DATA_DIR_MACRO}()").fetchone()[0]
     except duckdb.CatalogException:
         return None
+
+
+LISTED_TRIES = 4  # a query whose part the compactor deleted after the listing runs again (listed anew)
+
+
+def execute_listed(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None, *,
+                   layout: Layout | None = None, job_id: str | None = None,
+                   tries: int = LISTED_TRIES) -> duckdb.DuckDBPyConnection:
+    """`con.execute(sql, params)` over a listing pinned for it (`pin`); on a file error (a part listed,
+    then deleted by garbage collection before it was read: the views stay correct, the query only has
+    to list again) listed and run again, up to `tries` times in all."""
+    for attempt in range(tries):
+        try:
+            pin(con, layout, job_id=job_id)
+            return con.execute(sql, params or [])
+        except duckdb.IOException:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
