@@ -176,10 +176,13 @@ def dashboard_queries() -> dict[str, tuple[str, dict]]:
         "job_shard_workers": (q.JOB_SHARD_WORKERS, {**job, "limit": MAX_WORKERS}),
         "job_outputs_sample": (q.JOB_OUTPUTS_SAMPLE, {**job, "limit": 20}),
         "job_iterations": (q.JOB_ITERATIONS, {**job, "max_points": MAX_POINTS}),
-        "job_outstanding_at": (q.JOB_OUTSTANDING_AT, {**job, "points": points}),
-        "job_output_rate": (q.JOB_OUTPUT_RATE, {**job, "n": OUTPUT_RATE_BUCKETS}),
-        "job_latency": (q.JOB_LATENCY, {**job, "bins": HISTOGRAM_BINS}),
-        "job_preemptions": (q.JOB_PREEMPTIONS, job),
+        # these run JOB_REQUEST_DIGESTS first and then the form it picks (dashboard.series.request_source)
+        "job_outstanding_at": ((q.JOB_OUTSTANDING_AT, q.JOB_OUTSTANDING_AT_SAMPLED),
+                               {**job, "points": points}),
+        "job_output_rate": ((q.JOB_OUTPUT_RATE, q.JOB_OUTPUT_RATE_SAMPLED),
+                            {**job, "n": OUTPUT_RATE_BUCKETS}),
+        "job_latency": ((q.JOB_LATENCY, q.JOB_LATENCY_SAMPLED), {**job, "bins": HISTOGRAM_BINS}),
+        "job_preemptions": ((q.JOB_PREEMPTIONS, None), job),
         "workers": (q.WORKERS, {"now": now, "window_s": RECENT_WINDOW_S}),
         "worker_shards": (q.WORKER_SHARDS, {}),
         "worker_latest_job": (q.WORKER_LATEST_JOB, {}),
@@ -193,25 +196,38 @@ def dashboard_queries() -> dict[str, tuple[str, dict]]:
 def time_round(con, data_dir: str, manifest, queries: dict, timeout_s: float) -> dict[str, float]:
     """One run of every query (interrupted past `timeout_s`, as the dashboard's are: it then counts as
     `timeout_s`) and of `status`: name -> milliseconds."""
-    from dashboard.queries import job_scope
+    from dashboard.queries import JOB_PREEMPTIONS_SCAN, JOB_REQUEST_DIGESTS, job_scope
     from jobs.status import job_status, jobs_status
     from jobs.store import QueryTimeout, UserSqlError, run_query
+    from jobs.store.digests import source_level
+
+    def run(sql: str, params: dict | None):  # as dashboard.db.run
+        cur = con.cursor()
+        try:
+            return run_query(cur, sql, params or None, timeout_s=timeout_s, max_rows=200_000,
+                             job_id=job_scope(sql, params)).rows
+        finally:
+            cur.close()
 
     out = {}
     for name, (sql, params) in queries.items():
-        cur = con.cursor()
         t = time.perf_counter()
         try:
-            run_query(cur, sql, params or None, timeout_s=timeout_s, max_rows=200_000,
-                      job_id=job_scope(sql, params))  # as dashboard.db.run
+            if isinstance(sql, tuple):  # the rows or the sample, as dashboard.series.request_source picks
+                (rows, undigested), = run(JOB_REQUEST_DIGESTS, {"job_id": params["job_id"]})
+                level = source_level(rows, undigested)
+                exact, sampled = sql
+                if sampled is None:  # preemptions: the digests' sums unless commits have none
+                    sql = exact if not undigested else JOB_PREEMPTIONS_SCAN
+                else:
+                    sql = exact if level is None else sampled[level]
+            run(sql, params)
             out[name] = (time.perf_counter() - t) * 1000
         except QueryTimeout:
             out[name] = timeout_s * 1000
         except UserSqlError as exc:  # failed even when run again (a part deleted under it each time)
             print(f"{name} failed: {exc}", flush=True)
             out[name] = timeout_s * 1000
-        finally:
-            cur.close()
     for name, run_status in (("status_all_jobs", lambda: jobs_status(data_dir)),
                              ("status_one_job", lambda: job_status(manifest, all_shards=False))):
         t = time.perf_counter()

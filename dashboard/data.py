@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 
 from flask import current_app
 
-from dashboard import queries
+from dashboard import queries, series
 from dashboard.db import fetch_dicts, fetch_one
 from jobs.store import WorkerRecord, no_worker_warning, read_worker_records
 
@@ -169,8 +169,11 @@ def job_outputs_sample(job_id: str, limit: int) -> list[dict]:
 
 
 def job_preemptions(job_id: str) -> dict:
-    return fetch_one(queries.JOB_PREEMPTIONS, {"job_id": job_id}) or {"request_preemptions": 0,
-                                                                        "requests_preempted": 0}
+    """The job's request preemptions, from its request digests; from its rows when it has commits whose
+    parts have no digests (dashboard.series.request_source)."""
+    digested = series.request_source(job_id).digested
+    sql = queries.JOB_PREEMPTIONS if digested else queries.JOB_PREEMPTIONS_SCAN
+    return fetch_one(sql, {"job_id": job_id}) or {"request_preemptions": 0, "requests_preempted": 0}
 
 
 # ---------------------------------------------------------------- workers

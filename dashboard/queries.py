@@ -1,30 +1,36 @@
 """The dashboard's SQL over the store's views, one named constant per question a page asks.
 
-Every value comes in as a `$name` parameter. The only text put into SQL by formatting is a column
-name picked from `LATENCY_METRICS` (a constant here), never anything from a request.
+Every value comes in as a `$name` parameter. The only text put into SQL by formatting is constants:
+column names and conditions from `jobs.store.digests` (`LATENCY_METRICS`), sample levels, never anything
+from a request.
 
 Times: `requests` and `iterations` hold epoch seconds (float); `jobs` / `shards` *_at columns are
 timestamps and come out as epoch seconds (`epoch(...)`) so JSON and the browser see plain numbers.
 Live figures read `requests_live` (committed rows plus each running shard's latest attempt), so a
-running job's progress moves before its shards commit; for a finished job it equals `requests`.
+running job's progress moves before its shards commit; for a finished job it equals `requests`. Its
+totals, and the distributions and series of a large job, read the request digests of the same
+attempts instead (`_bg.request_digests_live`, jobs.store.digests): one row per part, not per request.
 """
 
 from __future__ import annotations
 
+from jobs.store.digests import LATENCY_METRICS, TIMED_OUTPUT, sampled_rows_sql
+from jobs.store.digests import LEVELS as DIGEST_LEVELS
+
 # ---------------------------------------------------------------- jobs
 
 # Progress and totals of every job (or one: see JOB_SUMMARY). rows_done is the larger of the committed
-# output rows and the finished requests in `requests_live` (committed shards plus the latest attempt
-# of running ones). Each side counts distinct rows from one scan of its own, so neither overcounts;
-# adding committed rows to the uncommitted ones instead would count a shard twice when the two
-# scans of the commits (one per view) straddle its commit. error_rows: the winning commits carry
-# their output rows with finish_reason 'error' (`jobs.error_rows`); a job with commits written before
-# they did (`counts_complete` false) is counted from the outputs instead (the _SCAN variants, which
+# output rows and the finished requests of `requests_live` (committed shards plus the latest attempt of
+# running ones), as their digests count them. Each side counts distinct rows from one scan of its own, so
+# neither overcounts; adding committed rows to the uncommitted ones instead would count a shard twice when
+# the two scans of the commits (one per view) straddle its commit. error_rows: the winning commits carry
+# their output rows with finish_reason 'error' (`jobs.error_rows`); a job with commits written before they
+# did (`counts_complete` false) is counted from the outputs instead (the _SCAN variants, which
 # dashboard.data runs for such jobs).
 _JOBS_SUMMARY = """
 WITH live AS (
-    SELECT job_id, count(*) AS rows_live, coalesce(sum(output_tokens), 0) AS output_tokens_live
-    FROM requests_live {live_where} GROUP BY job_id
+    SELECT job_id, sum(num_rows) AS rows_live, coalesce(sum(output_tokens), 0) AS output_tokens_live
+    FROM _bg.request_digests_live {live_where} GROUP BY job_id
 ){errors}
 SELECT j.job_id, j.status, j.model, j.num_requests, j.num_shards,
        j.shards_completed, j.shards_failed, j.shards_running,
@@ -133,15 +139,46 @@ FROM per_worker GROUP BY bucket ORDER BY bucket
 # the columns of JOB_ITERATIONS that describe the whole series, not a point
 ITERATION_EXTENT_COLUMNS = ("num_iterations", "num_workers", "downsampled", "bucket_s")
 
+# ---------------------------------------------------------------- a job's requests: rows or sample
+
+# Where the request figures below come from (jobs.store.digests). Every query over a job's requests
+# comes in two forms: EXACT reads its rows in `requests_live`; SAMPLED[level] reads the sampled rows of
+# level >= level in the job's request digests and scales what it counts to the exact totals the
+# digests carry. `JOB_REQUEST_DIGESTS` tells which to run (dashboard.series.request_source): the rows
+# of a job with few of them, or with commits whose parts have no digests (written by an older batchgen).
+JOB_REQUEST_DIGESTS = """
+WITH d AS MATERIALIZED (
+    SELECT _bg_attempt_id, committed, num_rows FROM _bg.request_digests_live WHERE job_id = $job_id
+), c AS (
+    SELECT _bg_attempt_id, sum(num_rows) AS n FROM d WHERE committed GROUP BY _bg_attempt_id
+)
+SELECT (SELECT coalesce(sum(num_rows), 0) FROM d)::BIGINT AS request_rows,
+       (SELECT count(*) FROM _bg.winners AS w LEFT JOIN c USING (_bg_attempt_id)
+        WHERE w.job_id = $job_id AND coalesce(c.n, 0) <> w.num_request_rows) AS undigested_commits
+"""
+
+_ROWS = "SELECT * FROM requests_live WHERE job_id = $job_id"
+_DIGESTS = "d AS MATERIALIZED (SELECT * FROM _bg.request_digests_live WHERE job_id = $job_id),"
+
+
+def _exact_and_sampled(build) -> tuple[str, dict[int, str]]:
+    """`build(inputs, rows, level)` over the rows (level None), and over each level's sample."""
+    return (build("", _ROWS, None),
+            {level: build(_DIGESTS, sampled_rows_sql(level, "d"), level) for level in DIGEST_LEVELS})
+
+
 # Request concurrency of the job at each time in $points: requests that have arrived at an engine
 # and not finished (waiting or running there) -- not the same thing as running sequences. One sort of
 # the arrivals (+1) and finishes (-1) with the points among them: at a point, the running sum counts
 # the arrivals at or before it less the finishes at or before it (events sort before a point at the
-# same time); a request not finished yet never counts as a finish.
-JOB_OUTSTANDING_AT = """
-WITH pts AS (SELECT i, $points[i] AS t FROM range(1, len($points) + 1) AS r(i)),
+# same time); a request not finished yet never counts as a finish. Sampled: each sampled request
+# stands for 2**level.
+def _outstanding_at(inputs: str, rows: str, level: int | None) -> str:
+    scale = 1 if level is None else 2 ** level
+    return f"""
+WITH {inputs} pts AS (SELECT i, $points[i] AS t FROM range(1, len($points) + 1) AS r(i)),
 r AS MATERIALIZED (
-    SELECT arrival_ts, finished_ts FROM requests_live WHERE job_id = $job_id AND arrival_ts > 0
+    SELECT arrival_ts, finished_ts FROM ({rows}) WHERE arrival_ts > 0
 ), ev AS (
     SELECT arrival_ts AS t, 1 AS d, NULL::BIGINT AS i FROM r
     UNION ALL SELECT finished_ts, -1, NULL FROM r WHERE finished_ts > 0
@@ -149,74 +186,116 @@ r AS MATERIALIZED (
 ), counted AS (
     SELECT i, t, sum(d) OVER (ORDER BY t, i NULLS FIRST ROWS UNBOUNDED PRECEDING) AS n FROM ev
 )
-SELECT t AS ts, n::BIGINT AS outstanding_requests FROM counted WHERE i IS NOT NULL ORDER BY i
+SELECT t AS ts, (n * {scale})::BIGINT AS outstanding_requests FROM counted WHERE i IS NOT NULL ORDER BY i
 """
 
+
+JOB_OUTSTANDING_AT, JOB_OUTSTANDING_AT_SAMPLED = _exact_and_sampled(_outstanding_at)
+
 # ---------------------------------------------------------------- output tokens of a job over time
+
 
 # Output tokens/s of the job in $n equal buckets spanning its first to its last output token. A
 # request's first token counts at first_token_ts, its other output_tokens - 1 spread evenly over
 # (first_token_ts, finished_ts]; so rate * bucket_s adds up exactly to the job's output tokens.
-JOB_OUTPUT_RATE = """
-WITH r AS MATERIALIZED (
+# Sampled: the span and the total are the digests' (exact), and the sample's tokens are scaled to
+# that total.
+def _output_rate(inputs: str, rows: str, level: int | None) -> str:
+    extent = ("SELECT min(t0) AS start, greatest(max(t1) - min(t0), 1e-6) * (1 + 1e-9) / $n AS w, "
+              "sum(n) AS total, 1.0 AS scale FROM r HAVING count(*) > 0")
+    if level is not None:
+        extent = ("SELECT min(first_token_ts_min) AS start, "
+                  "greatest(max(timed_end_ts_max) - min(first_token_ts_min), 1e-6) * (1 + 1e-9) / $n AS w, "
+                  "sum(timed_output_tokens) AS total, "
+                  "sum(timed_output_tokens) / (SELECT sum(n) FROM r) AS scale "
+                  "FROM d HAVING sum(timed_output_tokens) > 0")
+    return f"""
+WITH {inputs} r AS MATERIALIZED (
     SELECT first_token_ts AS t0, greatest(finished_ts, first_token_ts) AS t1, output_tokens AS n
-    FROM requests_live WHERE job_id = $job_id AND first_token_ts > 0 AND output_tokens > 0
+    FROM ({rows}) WHERE {TIMED_OUTPUT}
 ), e AS (
-    SELECT min(t0) AS start, greatest(max(t1) - min(t0), 1e-6) * (1 + 1e-9) / $n AS w, sum(n) AS total
-    FROM r HAVING count(*) > 0
+    {extent}
 ), b AS (
-    SELECT i, start + i * w AS lo, start + (i + 1) * w AS hi, w, total FROM e, range($n) AS t(i)
+    SELECT i, start + i * w AS lo, start + (i + 1) * w AS hi, w, total, scale FROM e, range($n) AS t(i)
 )
 SELECT b.lo AS ts, coalesce(sum(
         CASE WHEN r.t0 >= b.lo AND r.t0 < b.hi THEN 1 ELSE 0 END
       + CASE WHEN r.t1 > r.t0
              THEN (r.n - 1) * greatest(least(b.hi, r.t1) - greatest(b.lo, r.t0), 0) / (r.t1 - r.t0)
              WHEN r.t0 >= b.lo AND r.t0 < b.hi THEN r.n - 1
-             ELSE 0 END), 0) / any_value(b.w) AS output_tokens_per_s,
+             ELSE 0 END), 0) * any_value(b.scale) / any_value(b.w) AS output_tokens_per_s,
        any_value(b.w) AS bucket_s, any_value(b.total)::BIGINT AS output_tokens
 FROM b LEFT JOIN r ON r.t0 < b.hi AND r.t1 >= b.lo
 GROUP BY b.i, b.lo ORDER BY b.i
 """
 
-# ---------------------------------------------------------------- latency distributions
 
-# metric -> (column of requests_live, which requests it is defined for)
-LATENCY_METRICS: dict[str, tuple[str, str]] = {
-    "ttft_s": ("ttft_s", "first_token_ts > 0"),
-    "itl_s": ("tpot_s", "output_tokens > 1 AND first_token_ts > 0"),
-    "e2e_s": ("e2e_s", "finished_ts > 0"),
-    "queue_s": ("queue_s", "scheduled_ts > 0"),
-}
+JOB_OUTPUT_RATE, JOB_OUTPUT_RATE_SAMPLED = _exact_and_sampled(_output_rate)
+
+# ---------------------------------------------------------------- latency distributions
 
 _METRIC_VALUES = "\n    UNION ALL ".join(
     f"SELECT '{metric}' AS metric, {column} AS v FROM r WHERE {where}"
     for metric, (column, where) in LATENCY_METRICS.items()
 )
+_METRIC_TOTALS = "\n    UNION ALL ".join(
+    f"SELECT '{m}' AS metric, sum({m}_count) AS count, sum({m}_sum) / nullif(sum({m}_count), 0) AS mean, "
+    f"min({m}_min) AS min, max({m}_max) AS max FROM d"
+    for m in LATENCY_METRICS
+)
+
 
 # Per metric: count, mean, min, max, p50 / p90 / p99, and a histogram of $bins equal bins from min
 # to max (bin i covers [min + i * width, min + (i + 1) * width), width = max(max - min, 1e-9) / $bins;
 # the maximum falls in the last bin). `bins` lists the non-empty bins, `counts` their requests.
-JOB_LATENCY = f"""
-WITH r AS MATERIALIZED (
+# `sampled_count`: the sampled requests the percentiles and histogram come from (NULL: every request).
+# Sampled: count, mean, min and max are the digests' (exact); the percentiles are the sample's (kept
+# within min..max), its histogram counts scaled to the exact count.
+def _latency(inputs: str, rows: str, level: int | None) -> str:
+    if level is None:
+        stats = ("SELECT metric, count(*) AS count, avg(v) AS mean, min(v) AS min, max(v) AS max FROM x "
+                 "GROUP BY metric")
+        count_of_bin, sampled = "n", "NULL::BIGINT"
+    else:
+        stats = f"SELECT * FROM ({_METRIC_TOTALS}) WHERE count > 0"
+        count_of_bin, sampled = "round(h.n * s.count / q.sampled_count)::BIGINT", "q.sampled_count"
+    return f"""
+WITH {inputs} r AS MATERIALIZED (
     SELECT ttft_s, tpot_s, e2e_s, queue_s, first_token_ts, scheduled_ts, finished_ts, output_tokens
-    FROM requests_live WHERE job_id = $job_id
+    FROM ({rows})
 ), x AS (
     {_METRIC_VALUES}
 ), s AS (
-    SELECT metric, count(*) AS count, avg(v) AS mean, min(v) AS min, max(v) AS max,
-           quantile_cont(v, 0.5) AS p50, quantile_cont(v, 0.9) AS p90, quantile_cont(v, 0.99) AS p99,
-           greatest(max(v) - min(v), 1e-9) / $bins AS width
+    SELECT *, greatest(max - min, 1e-9) / $bins AS width FROM ({stats})
+), q AS (
+    SELECT metric, count(*) AS sampled_count, quantile_cont(v, 0.5) AS p50, quantile_cont(v, 0.9) AS p90,
+           quantile_cont(v, 0.99) AS p99
     FROM x GROUP BY metric
 ), h AS (
-    SELECT x.metric, least(floor((x.v - s.min) / s.width)::BIGINT, $bins - 1) AS bin, count(*) AS n
+    SELECT x.metric, least(greatest(floor((x.v - s.min) / s.width), 0)::BIGINT, $bins - 1) AS bin,
+           count(*) AS n
     FROM x JOIN s USING (metric) GROUP BY ALL
 ), hist AS (
-    SELECT metric, list(bin ORDER BY bin) AS bins, list(n ORDER BY bin) AS counts FROM h GROUP BY metric
+    SELECT h.metric, list(h.bin ORDER BY h.bin) AS bins, list({count_of_bin} ORDER BY h.bin) AS counts
+    FROM h JOIN s USING (metric) JOIN q USING (metric) GROUP BY h.metric
 )
-SELECT s.*, hist.bins, hist.counts FROM s LEFT JOIN hist USING (metric)
+SELECT s.metric, s.count, s.mean, s.min, s.max, greatest(least(q.p50, s.max), s.min) AS p50,
+       greatest(least(q.p90, s.max), s.min) AS p90, greatest(least(q.p99, s.max), s.min) AS p99, s.width,
+       hist.bins, hist.counts, {sampled} AS sampled_count
+FROM s LEFT JOIN q USING (metric) LEFT JOIN hist USING (metric)
 """
 
+
+JOB_LATENCY, JOB_LATENCY_SAMPLED = _exact_and_sampled(_latency)
+
+# Preemptions of the job's requests: the digests' sums (exact), or the rows of a job with commits
+# that have no digests (`JOB_REQUEST_DIGESTS`)
 JOB_PREEMPTIONS = """
+SELECT coalesce(sum(num_preemptions), 0)::BIGINT AS request_preemptions,
+       coalesce(sum(requests_preempted), 0)::BIGINT AS requests_preempted
+FROM _bg.request_digests_live WHERE job_id = $job_id
+"""
+JOB_PREEMPTIONS_SCAN = """
 SELECT coalesce(sum(num_preemptions), 0)::BIGINT AS request_preemptions,
        count(*) FILTER (WHERE num_preemptions > 0) AS requests_preempted
 FROM requests_live WHERE job_id = $job_id
@@ -227,8 +306,9 @@ FROM requests_live WHERE job_id = $job_id
 # jobs' files however many the data dir holds
 JOB_SCOPED = frozenset({
     JOB_SUMMARY, JOB_SUMMARY_SCAN, JOB_SHARDS_PAGE, JOB_SHARD_COUNTS, JOB_SHARD_WORKERS,
-    JOB_OUTPUTS_SAMPLE, JOB_OUTPUTS_ALL, JOB_ITERATIONS, JOB_OUTSTANDING_AT, JOB_OUTPUT_RATE, JOB_LATENCY,
-    JOB_PREEMPTIONS,
+    JOB_OUTPUTS_SAMPLE, JOB_OUTPUTS_ALL, JOB_ITERATIONS, JOB_REQUEST_DIGESTS, JOB_OUTSTANDING_AT,
+    JOB_OUTPUT_RATE, JOB_LATENCY, JOB_PREEMPTIONS, JOB_PREEMPTIONS_SCAN,
+    *JOB_OUTSTANDING_AT_SAMPLED.values(), *JOB_OUTPUT_RATE_SAMPLED.values(), *JOB_LATENCY_SAMPLED.values(),
 })
 
 

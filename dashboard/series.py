@@ -7,13 +7,43 @@ buckets. The browser therefore draws a few thousand points whatever the job's si
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from flask import current_app
 
 from dashboard import queries
-from dashboard.db import fetch_columns, fetch_dicts
+from dashboard.db import fetch_columns, fetch_dicts, fetch_one
+from jobs.store import digests
 
 OUTPUT_RATE_BUCKETS = 120  # buckets of the output tokens/s chart
 HISTOGRAM_BINS = 30  # bins of a latency histogram
+
+
+@dataclass(frozen=True)
+class RequestSource:
+    """Where a job's request figures come from: its rows (`level` None), or its digests' sample of
+    level >= `level` (jobs.store.digests), which holds about `request_rows` / 2**level rows.
+    `digested`: every committed attempt's parts have their digests, so their sums are the job's."""
+
+    request_rows: int
+    level: int | None
+    digested: bool
+
+    def pick(self, exact: str, sampled: dict[int, str]) -> str:
+        return exact if self.level is None else sampled[self.level]
+
+    def describe(self) -> dict | None:
+        """What the API says about the sample (None: every request row was read)."""
+        if self.level is None:
+            return None
+        return {"level": self.level, "rate": 2.0 ** -self.level, "request_rows": self.request_rows}
+
+
+def request_source(job_id: str) -> RequestSource:
+    """The job's rows or its digests' sample, as `jobs.store.digests.source_level` decides."""
+    row = fetch_one(queries.JOB_REQUEST_DIGESTS, {"job_id": job_id}) or {}
+    rows, undigested = row.get("request_rows") or 0, row.get("undigested_commits") or 0
+    return RequestSource(rows, digests.source_level(rows, undigested), not undigested)
 
 
 def job_iterations(job_id: str) -> dict:
@@ -32,39 +62,50 @@ def job_iterations(job_id: str) -> dict:
     out.update({name: values[0] for name, values in extent.items()})
     if not out["downsampled"]:
         out["bucket_s"] = None
-    series["outstanding_requests"] = outstanding_at(job_id, series["ts"])
-    out["series"] = series
+    source = request_source(job_id)
+    series["outstanding_requests"] = outstanding_at(job_id, series["ts"], source)
+    out["series"], out["outstanding_sample"] = series, source.describe()
     return out
 
 
-def outstanding_at(job_id: str, points: list[float]) -> list[int]:
+def outstanding_at(job_id: str, points: list[float], source: RequestSource | None = None) -> list[int]:
+    """Request concurrency of the job at each point (`queries.JOB_OUTSTANDING_AT`)."""
     if not points:
         return []
-    cols = fetch_columns(queries.JOB_OUTSTANDING_AT, {"job_id": job_id, "points": points})
+    source = source or request_source(job_id)
+    sql = source.pick(queries.JOB_OUTSTANDING_AT, queries.JOB_OUTSTANDING_AT_SAMPLED)
+    cols = fetch_columns(sql, {"job_id": job_id, "points": points})
     return cols["outstanding_requests"]
 
 
 def job_output_rate(job_id: str) -> dict:
-    """Output tokens/s of the job over time (see `queries.JOB_OUTPUT_RATE`)."""
-    series = fetch_columns(queries.JOB_OUTPUT_RATE, {"job_id": job_id, "n": OUTPUT_RATE_BUCKETS})
+    """Output tokens/s of the job over time (see `queries.JOB_OUTPUT_RATE`); `sample`: see
+    `RequestSource.describe`."""
+    source = request_source(job_id)
+    sql = source.pick(queries.JOB_OUTPUT_RATE, queries.JOB_OUTPUT_RATE_SAMPLED)
+    series = fetch_columns(sql, {"job_id": job_id, "n": OUTPUT_RATE_BUCKETS})
     bucket_s, total = series.pop("bucket_s", []), series.pop("output_tokens", [])
     return {"job_id": job_id, "output_tokens": total[0] if total else 0,
-            "bucket_s": bucket_s[0] if bucket_s else None,
+            "bucket_s": bucket_s[0] if bucket_s else None, "sample": source.describe(),
             "series": series or {"ts": [], "output_tokens_per_s": []}}
 
 
 def job_latency(job_id: str) -> dict:
-    """TTFT, ITL, end-to-end and queue time of the job's requests: percentiles and a histogram each."""
+    """TTFT, ITL, end-to-end and queue time of the job's requests: percentiles and a histogram each,
+    and `sample` (see `RequestSource.describe`; each metric's `sampled_count` is its sampled requests)."""
     params = {"job_id": job_id, "bins": HISTOGRAM_BINS}
-    rows = {r["metric"]: r for r in fetch_dicts(queries.JOB_LATENCY, params)}
-    return {metric: _distribution(rows.get(metric)) for metric in queries.LATENCY_METRICS}
+    source = request_source(job_id)
+    rows = {r["metric"]: r for r in fetch_dicts(source.pick(queries.JOB_LATENCY, queries.JOB_LATENCY_SAMPLED),
+                                                  params)}
+    out = {metric: _distribution(rows.get(metric)) for metric in queries.LATENCY_METRICS}
+    return {**out, "sample": source.describe()}
 
 
 def _distribution(row: dict | None) -> dict:
     """One metric's summary, with its histogram as every bin's lower edge and count."""
     if row is None:
         return {"count": 0, "mean": None, "min": None, "max": None, "p50": None, "p90": None, "p99": None,
-                "histogram": {"lo": [], "count": [], "width": None}}
+                "sampled_count": None, "histogram": {"lo": [], "count": [], "width": None}}
     counts = [0] * HISTOGRAM_BINS
     for b, n in zip(row.pop("bins"), row.pop("counts"), strict=True):
         counts[b] = n

@@ -120,6 +120,16 @@
       : `${fmt.num(it.num_iterations)} engine iterations on ${workers}, one point each. Engine series count every job the worker served in those iterations.`;
   }
 
+  // a large job's request figures come from a sample of its requests (jobs.store.digests): say so
+  function sampleNote(id, sample, what) {
+    const note = $(id);
+    if (note) {
+      note.textContent = sample
+        ? `${what} from a 1 in ${fmt.num(2 ** sample.level)} sample of the job's ${fmt.num(sample.request_rows)} requests.`
+        : "";
+    }
+  }
+
   async function load(url, draw, ids) {
     try {
       draw(await bg.getJSON(url));
@@ -130,12 +140,18 @@
 
   function loadCharts() {
     return Promise.all([
-      load(root.dataset.apiThroughput, drawThroughput, ["chart-throughput"]),
+      load(root.dataset.apiThroughput, (tp) => {
+        drawThroughput(tp);
+        sampleNote("throughput-note", tp.sample, "Output tokens/s (scaled to the exact total)");
+      }, ["chart-throughput"]),
       load(root.dataset.apiIterations, (it) => {
         drawConcurrency(it); drawBudget(it); drawKv(it); drawStructured(it); iterationsNote(it);
+        sampleNote("concurrency-note", it.outstanding_sample, "Request concurrency estimated");
       }, ["chart-concurrency", "chart-budget", "chart-kv", "chart-structured"]),
       load(root.dataset.apiLatency, (lat) => {
         for (const metric of ["ttft_s", "itl_s", "e2e_s"]) drawHistogram(metric, lat[metric]);
+        sampleNote("latency-note", lat.sample,
+          "Percentiles and histograms (counts, means, minima and maxima are exact)");
       }, ["chart-ttft_s", "chart-itl_s", "chart-e2e_s"]),
     ]).then(() => timeline.fit()); // new data resets each chart's range: bring them back in line
   }

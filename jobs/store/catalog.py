@@ -19,6 +19,8 @@ Views (the contract users query; their building blocks are internal views in the
   revoked because its rows were lost, `Store.revoke_commit`, does not count).
 - `requests_live`: also the rows of each uncommitted shard's latest attempt (`committed` = false),
   for live progress; a killed attempt's rows show there until its retry starts writing.
+  `_bg.request_digests_live` picks the same attempts' request digests (`jobs.store.digests`): the
+  live figures of a large job read those, one row per part, instead of every request row.
 - `iterations`, `sweeps`: every written row (not tied to shard attempts).
 
 How a view stays correct while writers and the compactor work. Nothing may depend on the order
@@ -182,6 +184,18 @@ QUALIFY w._bg_attempt_id IS NOT NULL
         = max((r.attempt, r._bg_attempt_id)) OVER (PARTITION BY r.job_id, r.shard_id)
 """
 
+# requests_live's choice of attempts over the digests of their request-timing parts (jobs.store.digests):
+# the winning attempt's of a committed shard, else the latest attempt's
+_REQUEST_DIGESTS_LIVE = """
+SELECT d.* EXCLUDE (_bg_part), w._bg_attempt_id IS NOT NULL AS committed
+FROM _bg.winners AS w
+RIGHT JOIN _bg.scan_request_digests AS d ON d.job_id = w.job_id AND d.shard_id = w.shard_id
+WHERE w._bg_attempt_id IS NULL OR d._bg_attempt_id = w._bg_attempt_id
+QUALIFY w._bg_attempt_id IS NOT NULL
+     OR (d.attempt, d._bg_attempt_id)
+        = max((d.attempt, d._bg_attempt_id)) OVER (PARTITION BY d.job_id, d.shard_id)
+"""
+
 # The last event of the latest attempt decides (a zombie attempt's late event does not win over a
 # newer attempt). A retry's `queued` event carries the attempt number about to run. Each key is
 # (attempt, ts, rank). Every shard has a first `queued` event (attempt 0, from submit), a job's shards
@@ -325,6 +339,7 @@ def view_definitions(layout: Layout, relative_to: Path | None = None) -> list[tu
         ("_bg.winners", _winners_sql(relative_to is None)), ("_bg.job_records", _JOB_RECORDS),
         ("_bg.cancels", _CANCELS), ("_bg.shard_event_agg", _SHARD_EVENT_AGG),
         ("outputs", _OUTPUTS), ("requests", _REQUESTS), ("requests_live", _REQUESTS_LIVE),
+        ("_bg.request_digests_live", _REQUEST_DIGESTS_LIVE),
         ("iterations", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_iterations"),
         ("sweeps", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_sweeps"),
         ("shards", _SHARDS), ("_bg.job_shards", _JOB_SHARDS), ("jobs", _JOBS),
@@ -338,7 +353,9 @@ _READS: dict[str, tuple[str, ...]] = {
     "_bg.winners": ("_bg.scan_commits",), "_bg.job_records": ("_bg.scan_job_records",),
     "_bg.cancels": ("_bg.scan_job_events",), "_bg.shard_event_agg": ("_bg.scan_shard_events",),
     "outputs": ("_bg.winners", "_bg.scan_outputs"), "requests": ("_bg.winners", "_bg.scan_requests"),
-    "requests_live": ("_bg.winners", "_bg.scan_requests"), "iterations": ("_bg.scan_iterations",),
+    "requests_live": ("_bg.winners", "_bg.scan_requests"),
+    "_bg.request_digests_live": ("_bg.winners", "_bg.scan_request_digests"),
+    "iterations": ("_bg.scan_iterations",),
     "sweeps": ("_bg.scan_sweeps",),
     "shards": ("_bg.shard_event_agg", "_bg.winners", "_bg.job_records", "_bg.cancels"),
     "_bg.job_shards": ("shards",), "jobs": ("_bg.job_records", "_bg.job_shards", "_bg.cancels"),

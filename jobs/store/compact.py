@@ -84,6 +84,7 @@ WRITER_MIN_TELEMETRY_PARTS = 4
 _SORT = {
     "outputs": "_bg_shard_id, _bg_part",
     "requests": "shard_id, finished_ts",
+    "request_digests": "shard_id, attempt",
     "iterations": "ts",
     "commits": "shard_id, committed_ts",
     "shard_events": "shard_id, ts",

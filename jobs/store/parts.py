@@ -46,7 +46,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine.stats import IterationStats, RequestStats
-from jobs.store import schemas
+from jobs.store import digests, schemas
 from jobs.store.catalog import write_catalog
 from jobs.store.layout import (
     Layout,
@@ -223,7 +223,7 @@ class ShardAttempt:
         self.flush_interval_s, self.max_buffered_rows = flush_interval_s, max_buffered_rows
         self._prefix = f"{job_id}~s{shard_id:06d}~a{attempt:03d}"
         self._writers = {kind: PartWriter(store.layout, kind, job_id, self._prefix)
-                         for kind in ("outputs", "requests")}
+                         for kind in ("outputs", "requests", "request_digests")}
         self._buffers: dict[str, list[Mapping]] = {"outputs": [], "requests": []}
         self._parts: list[str] = []
         self._totals = {"num_outputs": 0, "num_request_rows": 0, "prompt_tokens": 0, "output_tokens": 0,
@@ -314,6 +314,16 @@ class ShardAttempt:
             self._count_outcomes(table)
         else:
             self._totals["num_request_rows"] += table.num_rows
+            self._write_digest(table, self._parts[-1])
+
+    def _write_digest(self, requests: pa.Table, part: str) -> None:
+        """The digest of a request-timing part just written (jobs.store.digests), beside it: an attempt
+        that cannot write it fails (raises) like one that cannot write its rows, so every committed
+        attempt's parts have their digests."""
+        row = {"job_id": self.job_id, "shard_id": self.shard_id, "attempt": self.attempt,
+               "requests_part": part, ATTEMPT_ID_COLUMN: self.attempt_id, **digests.digest(requests)}
+        table = build_table([row], schemas.REQUEST_DIGESTS, kind="request_digests")
+        self._writers["request_digests"].write(table)
 
     def _count_outcomes(self, table: pa.Table) -> None:
         """Fold an outputs part into the per-request outcomes (a request's samples may span parts)."""

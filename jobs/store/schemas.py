@@ -9,6 +9,9 @@ internal `_bg_*` columns the views use and never show:
   commits, shard events), so only the committed attempt's rows are counted.
 - `_bg_shard_id`: the shard of an output row (outputs only; `requests` shows `shard_id` openly).
 
+`request_digests` is internal as a whole (read through `_bg` views only): one row per request-timing
+part, its totals and a sample of its rows (`jobs.store.digests`).
+
 Output rows carry every extra input column of their job after the base columns; those keep the
 Arrow type they arrive with. Names starting with `_bg_` are reserved.
 """
@@ -20,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 import pyarrow as pa
 
 from engine.stats import IterationStats, RequestStats
+from jobs.store.digests import DIGEST_COLUMNS
 
 INTERNAL_PREFIX = "_bg_"
 PART_COLUMN = "_bg_part"
@@ -187,6 +191,12 @@ COMMITS = _schema(
     ("requests_failed", I64), ("requests_cancelled", I64), ("error_rows", I64), (PART_COLUMN, STR),
 )
 
+# one row per request-timing part: its totals and sample (jobs.store.digests); `requests_part` names it
+REQUEST_DIGESTS = _schema(
+    ("job_id", STR), ("shard_id", I64), ("attempt", I64), ("requests_part", STR), *DIGEST_COLUMNS,
+    (ATTEMPT_ID_COLUMN, STR), (PART_COLUMN, STR),
+)
+
 SHARD_EVENTS_SCHEMA = _schema(
     ("job_id", STR), ("shard_id", I64), ("event", STR), ("ts", F64), ("attempt", I64), ("worker_id", STR),
     ("error", STR), ("num_requests", I64), (ATTEMPT_ID_COLUMN, STR), (PART_COLUMN, STR),
@@ -215,12 +225,13 @@ KIND_SCHEMAS: dict[str, pa.Schema] = {
     "commits": COMMITS,
     "outputs": OUTPUTS,
     "requests": REQUESTS,
+    "request_digests": REQUEST_DIGESTS,
     "iterations": ITERATIONS,
     "sweeps": SWEEPS,
 }
 KINDS = tuple(KIND_SCHEMAS)
 # kinds whose parts belong to one job (grouped by job_id on disk, compacted per finished job)
-JOB_KINDS = ("job_records", "job_events", "shard_events", "commits", "outputs", "requests")
+JOB_KINDS = ("job_records", "job_events", "shard_events", "commits", "outputs", "requests", "request_digests")
 
 # the columns a request timing row must have (RequestStats.as_row() gives all of them)
 REQUEST_STATS_COLUMNS = tuple(RequestStats().as_row())

@@ -138,8 +138,8 @@ def test_compaction_racing_with_readers_keeps_every_answer(tmp_path, monkeypatch
 
     reader, stop, result = _start_reader(data_dir, tmp_path, compare)
     time.sleep(0.5)
-    for j in range(3):  # one job at a time (5 kinds: no job_events), then the telemetry
-        assert compact_job(data_dir, f"done-{j}").groups == 5
+    for j in range(3):  # one job at a time (6 kinds: no job_events), then the telemetry
+        assert compact_job(data_dir, f"done-{j}").groups == 6
         time.sleep(0.2)
     compact_telemetry(data_dir, min_age_s=0)
     # a zombie attempt writes late (uncommitted) parts; the second round merges them into the
