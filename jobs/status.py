@@ -2,11 +2,12 @@
 
 The `jobs` and `shards` views say what is committed (the request outcome counts too: the winning
 commits carry them, jobs.request_counts); lease files add the rows finished so far by shards still
-running. The connection binds only the `shards` view and what it reads (and the outputs' scan, to
-report unreadable outputs parts: `STATUS_BINDS`): the `jobs` rows are the view's SELECT over the
-shards (`jobs_over`), and `status JOB` reads its job's shards once, into a table both its answers
-read, over one listing of the job's parts. Request counts follow OpenAI Batch's `request_counts`: total,
-completed (stop or length), failed (error rows), plus cancelled.
+running. The connection creates only the scans it reads (and the outputs', to report unreadable
+outputs parts: `STATUS_BINDS`), its queries inline the views above them (`over_scans`), the `jobs` rows
+are the view's SELECT over the `shards` rows (`jobs_over`), and `status JOB` reads its job's shards
+once, into a table that all its answers read, over one listing of the job's parts. Request counts
+follow OpenAI Batch's `request_counts`: total, completed (stop or length), failed (error rows), plus
+cancelled.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jobs.store import (
     connect_reporting,
     jobs_over,
     no_worker_warning,
+    over_scans,
     read_worker_records,
     run_listed,
 )
@@ -34,7 +36,7 @@ def jobs_status(data_dir: str) -> list[dict]:
     con, broken = connect_reporting(data_dir, views=STATUS_BINDS)
     try:
         jobs = {r["job_id"]: r for r in fetch_rows(
-            con, f"SELECT * FROM ({jobs_over('shards')}) ORDER BY submitted_at, job_id")}
+            con, f"{over_scans(jobs_over('_bg_shards'))} ORDER BY submitted_at, job_id")}
     finally:
         con.close()
     found = job_counts(data_dir, list(jobs.values()), broken.get("outputs"))
@@ -146,9 +148,9 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
 def _job_rows(con, job_id: str, all_shards: bool) -> tuple[list[dict], list[dict], Counter]:
     """The job's `jobs` row (a list of one, or none), its shards (every one, or the listed ones) and
     their counts by state, from one read of its `shards` rows (over the listing pinned for them)."""
-    con.execute(f"CREATE OR REPLACE TEMP TABLE {_JOB_SHARDS_TABLE} AS SELECT * FROM shards WHERE job_id = ?",
-                [job_id])
-    job = _dicts(con.execute(f"SELECT * FROM ({jobs_over(_JOB_SHARDS_TABLE)}) WHERE job_id = ?", [job_id]))
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {_JOB_SHARDS_TABLE} AS "
+                f"{over_scans('SELECT * FROM _bg_shards')} WHERE job_id = ?", [job_id])
+    job = _dicts(con.execute(f"{over_scans(jobs_over(_JOB_SHARDS_TABLE))} WHERE job_id = ?", [job_id]))
     if all_shards:
         shards = _dicts(con.execute(f"SELECT * FROM {_JOB_SHARDS_TABLE} ORDER BY shard_id"))
         return job, shards, Counter(s["status"] for s in shards)

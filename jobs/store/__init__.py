@@ -39,7 +39,8 @@ Public API:
   queries, compaction's merged inputs left out (`listing.py`; `run_query` does it before each query),
   `execute_listed(con, sql, params)`: a query over such a listing, listed and run again on a deleted part
   (`run_listed(con, work)`: a few queries over one listing), `jobs_over(relation)`: the `jobs` view's
-  SELECT over a relation of `shards` rows (what `status` reads, binding only `STATUS_BINDS`),
+  SELECT over a relation of `shards` rows, `over_scans(select)`: a SELECT with the views above the
+  scans inlined (what `status` reads, on a connection of the scans only: `STATUS_BINDS`),
   `write_catalog(data_dir)` (`catalog.py`); `run_query`, `run_user_query`, `QueryResult`,
   `UserSqlError`, `QueryTimeout` (`usersql.py`); `QUERIES`, `run_named`, `README_EXAMPLES`
   (`queries.py`).
@@ -64,6 +65,7 @@ from jobs.store.catalog import (
     connect,
     connect_reporting,
     jobs_over,
+    over_scans,
     unreadable_part_message,
     write_catalog,
 )
@@ -114,7 +116,7 @@ __all__ = [
     "README_EXAMPLES", "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout",
     "ShardAttempt", "ShardEvent", "Store", "StoreError", "SweepRecord", "TelemetryBuffer", "UserSqlError",
     "WorkerRecord", "check_id", "collect_garbage", "compact", "compact_job", "compact_telemetry", "connect",
-    "execute_listed", "jobs_over", "new_uid", "no_worker_warning", "pin_listing", "read_worker_records",
-    "run_listed", "run_named", "run_query", "run_user_query", "write_atomic", "write_catalog",
-    "write_worker_record",
+    "execute_listed", "jobs_over", "new_uid", "no_worker_warning", "over_scans", "pin_listing",
+    "read_worker_records", "run_listed", "run_named", "run_query", "run_user_query", "write_atomic",
+    "write_catalog", "write_worker_record",
 ]

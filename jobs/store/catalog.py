@@ -354,12 +354,42 @@ _READS: dict[str, tuple[str, ...]] = {
     "shards": ("_bg.shard_event_agg", "_bg.winners", "_bg.job_records", "_bg.cancels"),
     "_bg.job_shards": ("shards",), "jobs": ("_bg.job_records", "_bg.job_shards", "_bg.cancels"),
 }
+# The views above the scans that `over_scans` can inline, in creation order (each after what it reads)
+_INLINABLE = ("_bg.winners", "_bg.job_records", "_bg.cancels", "_bg.shard_event_agg", "shards")
+_INLINED_REF = re.compile(r"\b_bg[._](winners|job_records|cancels|shard_event_agg|shards)\b")
+
+
+def over_scans(select: str) -> str:
+    """`select` with the views above the scans that it reads (`_INLINABLE`, named `_bg_<name>` in it:
+    `_bg_shards`, `_bg_winners`, ...) as common table expressions, NOT MATERIALIZED: expanded where
+    they are read, as DuckDB expands a view. It runs on a connection that created only the scans
+    (`connect(views=...)` of `_bg.scan_*` views): creating a view binds it, and each view over others
+    binds those again, a third of a short-lived connection's set-up (`batchgen status`)."""
+    defs = dict(view_definitions(Layout(Path("/"))))  # the views above the scans name no path
+
+    def named(sql: str) -> str:
+        return _INLINED_REF.sub(lambda m: f"_bg_{m.group(1)}", sql)
+
+    wanted, todo = set(), [m.group(1) for m in _INLINED_REF.finditer(select)]
+    while todo:
+        name = todo.pop()
+        view = name if name == "shards" else f"_bg.{name}"
+        if view not in wanted:
+            wanted.add(view)
+            todo += [m.group(1) for m in _INLINED_REF.finditer(defs[view])]
+    ctes = [f"_bg_{view.removeprefix('_bg.')} AS NOT MATERIALIZED ({named(defs[view])})"
+            for view in _INLINABLE if view in wanted]
+    return (f"WITH {', '.join(ctes)}\n" if ctes else "") + f"SELECT * FROM ({named(select)})"
+
+
 # what `batchgen status` answers from: the jobs and their shards (request counts come with `jobs`, from
 # the winning commits), and the outputs' scan, bound only so that unreadable outputs parts are reported
 STATUS_VIEWS = ("jobs", "shards", "_bg.scan_outputs")
-# what its connection binds (creating a view binds it, and each view over others binds them again):
-# the `jobs` rows are computed from the `shards` rows by `jobs_over`, so `jobs` is not bound
-STATUS_BINDS = ("shards", "_bg.scan_outputs")
+# what its connection creates: the scans it reads (the outputs' too, bound only so that unreadable
+# outputs parts are reported); its queries inline the views above them (`over_scans`), and compute the
+# `jobs` rows from the `shards` rows (`jobs_over`)
+STATUS_BINDS = ("_bg.scan_job_records", "_bg.scan_job_events", "_bg.scan_shard_events", "_bg.scan_commits",
+                "_bg.scan_outputs")
 
 
 def _with_dependencies(names: Collection[str]) -> set[str]:

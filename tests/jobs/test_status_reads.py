@@ -1,5 +1,6 @@
-"""What `batchgen status` reads: the `shards` view once per answer, over one listing, with the answers
-of the `jobs` view (jobs.status, catalog.jobs_over)."""
+"""What `batchgen status` reads: the scans, with the views above them inlined (catalog.over_scans), the
+`shards` rows once per answer, over one listing, with the answers of the `jobs` view (jobs.status,
+catalog.jobs_over)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from click.testing import CliRunner
 
 from jobs.cli import cli
 from jobs.manifest import load_manifest
-from jobs.store import Store, connect, jobs_over
+from jobs.store import Store, connect, jobs_over, over_scans
 from tests.jobs.helpers import MODEL
 from tests.jobs.store.test_store_job_counts import JOB, OTHER, make_jobs
 
@@ -44,9 +45,10 @@ def two_jobs(tmp_path_factory):
     return data, ids
 
 
-def test_status_binds_neither_the_jobs_view_nor_its_shard_counts(two_jobs, monkeypatch):
-    """Creating a view binds it (every file of its scans opened): `status` binds the `shards` view and
-    the outputs' scan (for unreadable outputs), and computes the `jobs` rows from the shards."""
+def test_status_creates_only_the_scans_it_reads(two_jobs, monkeypatch):
+    """Creating a view binds it (every file of its scans opened), and each view over others binds them
+    again: `status` creates the scans it reads and the outputs' (for unreadable outputs), its queries
+    inline the views above them, and the `jobs` rows are computed from the shards."""
     from jobs.status import job_status, jobs_status
     from jobs.store import catalog
 
@@ -62,8 +64,8 @@ def test_status_binds_neither_the_jobs_view_nor_its_shard_counts(two_jobs, monke
     one = job_status(load_manifest(str(data), ids[0]), all_shards=False)
     assert len(bound) == 2
     for views in bound:
-        assert "shards" in views and "_bg.scan_outputs" in views
-        assert "jobs" not in views and "_bg.job_shards" not in views
+        assert views == {"_bg.scan_job_records", "_bg.scan_job_events", "_bg.scan_shard_events",
+                         "_bg.scan_commits", "_bg.scan_outputs"}
     assert (every[ids[0]]["status"], every[ids[1]]["status"]) == ("running", "cancelled")
     assert one["shard_counts"] == {"queued": 1, "running": 1, "completed": 1, "failed": 1, "cancelled": 0,
                                    "total": 4}
@@ -110,3 +112,21 @@ def test_the_jobs_row_from_one_jobs_shards_is_the_views(two_jobs, tmp_path):
             assert every == con.execute("SELECT * FROM jobs ORDER BY job_id").fetchall()
         finally:
             con.close()
+
+
+def test_a_select_over_the_scans_answers_as_over_the_views(two_jobs, tmp_path):
+    """`over_scans` inlines the views above the scans: on a connection of the scans alone, the shards
+    and the jobs rows are the views'."""
+    from jobs.store import STATUS_BINDS
+
+    make_jobs(tmp_path)
+    for data in (two_jobs[0], tmp_path):
+        views, scans = connect(data), connect(data, views=STATUS_BINDS)
+        try:
+            for select, view in ((jobs_over("_bg_shards"), "jobs"), ("SELECT * FROM _bg_shards", "shards"),
+                                 ("SELECT * FROM _bg.winners", "_bg.winners")):
+                got = scans.execute(f"{over_scans(select)} ORDER BY ALL").fetchall()
+                assert got and got == views.execute(f"SELECT * FROM {view} ORDER BY ALL").fetchall()
+        finally:
+            views.close()
+            scans.close()
