@@ -1,9 +1,13 @@
 """`batchgen status`: job and shard progress from the views plus live leases.
 
 The `jobs` and `shards` views say what is committed (the request outcome counts too: the winning
-commits carry them, jobs.request_counts), on a connection with only those views; lease files add the
-rows finished so far by shards still running. Request counts follow OpenAI Batch's `request_counts`: total,
-completed (stop or length), failed (error rows), plus cancelled.
+commits carry them, jobs.request_counts); lease files add the rows finished so far by shards still
+running. The connection creates only the scans it reads (and the outputs', to report unreadable
+outputs parts: `STATUS_BINDS`), its queries inline the views above them (`over_scans`), the `jobs` rows
+are the view's SELECT over the `shards` rows (`jobs_over`), and `status JOB` reads its job's shards
+once, into a table that all its answers read, over one listing of the job's parts. Request counts
+follow OpenAI Batch's `request_counts`: total, completed (stop or length), failed (error rows), plus
+cancelled.
 """
 
 from __future__ import annotations
@@ -16,14 +20,23 @@ from jobs.manifest import JobManifest, ManifestError, load_manifest
 from jobs.request_counts import fetch_rows, job_counts, request_counts
 from jobs.shards.state import JOB_ENDED_STATUSES, VIEW_STATUSES, ShardState
 from jobs.shards.supervise import job_progress
-from jobs.store import STATUS_VIEWS, connect_reporting, no_worker_warning, read_worker_records
+from jobs.store import (
+    STATUS_BINDS,
+    connect_reporting,
+    jobs_over,
+    no_worker_warning,
+    over_scans,
+    read_worker_records,
+    run_listed,
+)
 
 
 def jobs_status(data_dir: str) -> list[dict]:
     """One row per job: status, request counts, shard counts, rows done (live), tokens."""
-    con, broken = connect_reporting(data_dir, views=STATUS_VIEWS)
+    con, broken = connect_reporting(data_dir, views=STATUS_BINDS)
     try:
-        jobs = {r["job_id"]: r for r in fetch_rows(con, "SELECT * FROM jobs ORDER BY submitted_at, job_id")}
+        jobs = {r["job_id"]: r for r in fetch_rows(
+            con, f"{over_scans(jobs_over('_bg_shards'))} ORDER BY submitted_at, job_id")}
     finally:
         con.close()
     found = job_counts(data_dir, list(jobs.values()), broken.get("outputs"))
@@ -90,31 +103,24 @@ def _ago(seconds: float) -> str:
 
 SHARD_STATES = VIEW_STATUSES  # the `shards` view's statuses, in the order they are counted
 LISTED_STATES = (ShardState.RUNNING.view_status, ShardState.FAILED.view_status)  # listed without --shards
-# a job's shards in the listed states, and one row of every other state; each row with its state's count
-_LISTED_SHARDS_SQL = """
-SELECT * EXCLUDE (_bg_k) FROM (
-    SELECT *, count(*) OVER (PARTITION BY status) AS _bg_n,
-           row_number() OVER (PARTITION BY status ORDER BY shard_id) AS _bg_k
-    FROM shards WHERE job_id = ?
-) WHERE list_contains(?, status) OR _bg_k = 1 ORDER BY shard_id
+_JOB_SHARDS_TABLE = "_bg_status_shards"  # `status JOB`: the job's `shards` rows, read once
+# a job's shards in the listed states, and the first of every other state (a job's shard ids are
+# distinct); each row with its state's count
+_LISTED_SHARDS_SQL = f"""
+SELECT s.*, n._bg_n FROM {_JOB_SHARDS_TABLE} AS s
+JOIN (SELECT status, count(*) AS _bg_n, min(shard_id) AS _bg_first FROM {_JOB_SHARDS_TABLE} GROUP BY status)
+    AS n ON n.status = s.status
+WHERE list_contains(?, s.status) OR s.shard_id = n._bg_first ORDER BY s.shard_id
 """
 
 
 def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
     """One job: its `jobs` row, request counts, shard counts by state and its shards (every one, or
     only the running and failed ones), with live progress where running."""
-    con, broken = connect_reporting(manifest.data_dir, views=STATUS_VIEWS)
+    con, broken = connect_reporting(manifest.data_dir, views=STATUS_BINDS)
     try:
-        job = fetch_rows(con, "SELECT * FROM jobs WHERE job_id = ?", [manifest.job_id], manifest.job_id)
-        if all_shards:
-            shards = fetch_rows(con, "SELECT * FROM shards WHERE job_id = ? ORDER BY shard_id",
-                                [manifest.job_id], manifest.job_id)
-            by_state = Counter(s["status"] for s in shards)
-        else:  # a job of 40,000 shards: only the listed ones and the counts come out of DuckDB
-            rows = fetch_rows(con, _LISTED_SHARDS_SQL, [manifest.job_id, list(LISTED_STATES)],
-                              manifest.job_id)
-            by_state = Counter({r["status"]: r.pop("_bg_n") for r in rows})
-            shards = [r for r in rows if r["status"] in LISTED_STATES]
+        job, shards, by_state = run_listed(con, lambda c: _job_rows(c, manifest.job_id, all_shards),
+                                           job_id=manifest.job_id)
     finally:
         con.close()
     counts = job_counts(manifest.data_dir, job, broken.get("outputs"))
@@ -137,6 +143,26 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
                                         read_worker_records(manifest.data_dir), time.time())
     info["engine_faults"] = engine_faults(manifest.data_dir)
     return info
+
+
+def _job_rows(con, job_id: str, all_shards: bool) -> tuple[list[dict], list[dict], Counter]:
+    """The job's `jobs` row (a list of one, or none), its shards (every one, or the listed ones) and
+    their counts by state, from one read of its `shards` rows (over the listing pinned for them)."""
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {_JOB_SHARDS_TABLE} AS "
+                f"{over_scans('SELECT * FROM _bg_shards')} WHERE job_id = ?", [job_id])
+    job = _dicts(con.execute(f"{over_scans(jobs_over(_JOB_SHARDS_TABLE))} WHERE job_id = ?", [job_id]))
+    if all_shards:
+        shards = _dicts(con.execute(f"SELECT * FROM {_JOB_SHARDS_TABLE} ORDER BY shard_id"))
+        return job, shards, Counter(s["status"] for s in shards)
+    # a job of 40,000 shards: only the listed ones and the counts come out of DuckDB
+    rows = _dicts(con.execute(_LISTED_SHARDS_SQL, [list(LISTED_STATES)]))
+    by_state = Counter({r["status"]: r.pop("_bg_n") for r in rows})
+    return job, [r for r in rows if r["status"] in LISTED_STATES], by_state
+
+
+def _dicts(cur) -> list[dict]:
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
 
 # ---------------------------------------------------------------- rendering

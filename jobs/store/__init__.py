@@ -37,7 +37,10 @@ Public API:
 - read: `connect(data_dir, read_only_user_sql=False, views=None) -> duckdb.DuckDBPyConnection` (`views`:
   only some views, e.g. `STATUS_VIEWS`); `pin_listing(con)`: the store's files listed once for the next
   queries, compaction's merged inputs left out (`listing.py`; `run_query` does it before each query),
-  `execute_listed(con, sql, params)`: a query over such a listing, listed and run again on a deleted part,
+  `execute_listed(con, sql, params)`: a query over such a listing, listed and run again on a deleted part
+  (`run_listed(con, work)`: a few queries over one listing), `jobs_over(relation)`: the `jobs` view's
+  SELECT over a relation of `shards` rows, `over_scans(select)`: a SELECT with the views above the
+  scans inlined (what `status` reads, on a connection of the scans only: `STATUS_BINDS`),
   `write_catalog(data_dir)` (`catalog.py`); `run_query`, `run_user_query`, `QueryResult`,
   `UserSqlError`, `QueryTimeout` (`usersql.py`); `QUERIES`, `run_named`, `README_EXAMPLES`
   (`queries.py`).
@@ -57,9 +60,12 @@ Everything outside this package imports from here, never from its modules (tests
 """
 
 from jobs.store.catalog import (
+    STATUS_BINDS,
     STATUS_VIEWS,
     connect,
     connect_reporting,
+    jobs_over,
+    over_scans,
     unreadable_part_message,
     write_catalog,
 )
@@ -75,7 +81,7 @@ from jobs.store.layout import (
     new_uid,
     write_atomic,
 )
-from jobs.store.listing import execute_listed
+from jobs.store.listing import execute_listed, run_listed
 from jobs.store.listing import pin as pin_listing
 from jobs.store.parts import ShardAttempt, Store, TelemetryBuffer
 from jobs.store.queries import QUERIES, README_EXAMPLES, run_named
@@ -103,13 +109,14 @@ from jobs.store.workers import WorkerRecord, no_worker_warning, read_worker_reco
 __all__ = [
     "DEFAULT_ADDRESS_SPACE_BYTES", "DEFAULT_MAX_CONCURRENT", "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_MEMORY_LIMIT",
-    "QueryBusy", "STATUS_VIEWS", "SqlLimits", "connect_reporting", "run_sandboxed", "unreadable_part_message",
+    "QueryBusy", "STATUS_BINDS", "STATUS_VIEWS", "SqlLimits", "connect_reporting", "run_sandboxed",
+    "unreadable_part_message",
     "CheckReport", "check_store", "missing_rows", "quarantine",
     "DATA_DIR_ENV", "DEFAULT_DATA_DIR", "INTERNAL_PREFIX", "LOGPROBS_TYPE", "OUTPUTS", "QUERIES",
     "README_EXAMPLES", "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout",
     "ShardAttempt", "ShardEvent", "Store", "StoreError", "SweepRecord", "TelemetryBuffer", "UserSqlError",
     "WorkerRecord", "check_id", "collect_garbage", "compact", "compact_job", "compact_telemetry", "connect",
-    "execute_listed", "new_uid", "no_worker_warning", "pin_listing", "read_worker_records", "run_named",
-    "run_query", "run_user_query", "write_atomic", "write_catalog",
-    "write_worker_record",
+    "execute_listed", "jobs_over", "new_uid", "no_worker_warning", "over_scans", "pin_listing",
+    "read_worker_records", "run_listed", "run_named", "run_query", "run_user_query", "write_atomic",
+    "write_catalog", "write_worker_record",
 ]

@@ -199,17 +199,19 @@ QUALIFY w._bg_attempt_id IS NOT NULL
 # The last event of the latest attempt decides (a zombie attempt's late event does not win over a
 # newer attempt). A retry's `queued` event carries the attempt number about to run. Each key is
 # (attempt, ts, rank). Every shard has a first `queued` event (attempt 0, from submit), a job's shards
-# once each: those are aggregated on their own with plain maxima, and the few other events with the
-# full set, then the larger key decides per shard (the two halves of one arg_max), so a 400,000-shard
-# job does not run the costly aggregates 400,000 times.
+# once each: those are aggregated on their own with plain maxima (of the time: their attempt and rank
+# are 0), and the few other events with the full set, then the larger key decides per shard (the two
+# halves of one arg_max), so a 400,000-shard job does not run the costly aggregates 400,000 times.
 _SHARD_EVENT_AGG = """
 WITH e AS MATERIALIZED (
     SELECT *, CASE event WHEN 'queued' THEN 0 WHEN 'running' THEN 1 ELSE 2 END AS rank,
            event = 'queued' AND attempt = 0 AS first_queued
     FROM _bg.scan_shard_events
 ), q AS (
-    SELECT job_id, shard_id, max((attempt, ts, rank)) AS k, arg_max(error, (attempt, ts, rank)) AS last_error,
-           max((attempt, ts, rank)) FILTER (WHERE error IS NOT NULL) AS ek,
+    -- attempt and rank are 0 here: the largest key and the arg_max are the latest time's
+    SELECT job_id, shard_id, (min(attempt), max(ts), min(rank)) AS k, arg_max(error, ts) AS last_error,
+           CASE WHEN count(error) > 0
+                THEN (min(attempt), max(ts) FILTER (WHERE error IS NOT NULL), min(rank)) END AS ek,
            max(ts) AS last_ts, max(num_requests) AS num_requests
     FROM e WHERE first_queued GROUP BY job_id, shard_id
 ), o AS (
@@ -290,7 +292,7 @@ SELECT job_id,
     sum(requests_completed)::BIGINT AS requests_completed, sum(requests_failed)::BIGINT AS requests_failed,
     sum(requests_cancelled)::BIGINT AS requests_cancelled, sum(error_rows)::BIGINT AS error_rows,
     count(*) FILTER (WHERE status = 'completed' AND requests_completed IS NULL) AS commits_without_counts
-FROM shards GROUP BY job_id
+FROM {shards} GROUP BY job_id
 """
 
 _JOBS = """
@@ -315,7 +317,7 @@ WITH j AS (
         coalesce(s.requests_failed, 0) AS requests_failed,
         coalesce(s.requests_cancelled, 0) AS requests_cancelled,
         coalesce(s.error_rows, 0) AS error_rows, coalesce(s.commits_without_counts, 0) = 0 AS counts_complete
-    FROM _bg.job_records AS r FULL JOIN _bg.job_shards AS s ON s.job_id = r.job_id
+    FROM _bg.job_records AS r FULL JOIN {job_shards} AS s ON s.job_id = r.job_id
     LEFT JOIN _bg.cancels AS c ON c.job_id = coalesce(r.job_id, s.job_id)
 )
 SELECT job_id, status, model, num_requests, num_shards, submitted_at, started_at,
@@ -326,6 +328,14 @@ SELECT job_id, status, model, num_requests, num_shards, submitted_at, started_at
     error_rows, counts_complete
 FROM j
 """
+
+
+def jobs_over(shards: str) -> str:
+    """The `jobs` view's SELECT with its shard counts taken from `shards`, a relation with the `shards`
+    view's columns (e.g. a table of one job's `shards` rows, which then answers that job's `jobs` row
+    as the view does: `batchgen status JOB` reads the job's shards once for both). It reads the job
+    records and cancels as the view does."""
+    return _JOBS.format(job_shards=f"({_JOB_SHARDS.format(shards=shards)})")
 
 
 INTERNAL_SCHEMA = "_bg"  # the views' building blocks, out of `SHOW TABLES` (`SHOW ALL TABLES` lists them)
@@ -342,7 +352,8 @@ def view_definitions(layout: Layout, relative_to: Path | None = None) -> list[tu
         ("_bg.request_digests_live", _REQUEST_DIGESTS_LIVE),
         ("iterations", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_iterations"),
         ("sweeps", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_sweeps"),
-        ("shards", _SHARDS), ("_bg.job_shards", _JOB_SHARDS), ("jobs", _JOBS),
+        ("shards", _SHARDS), ("_bg.job_shards", _JOB_SHARDS.format(shards="shards")),
+        ("jobs", _JOBS.format(job_shards="_bg.job_shards")),
     ]
     return views
 
@@ -360,9 +371,42 @@ _READS: dict[str, tuple[str, ...]] = {
     "shards": ("_bg.shard_event_agg", "_bg.winners", "_bg.job_records", "_bg.cancels"),
     "_bg.job_shards": ("shards",), "jobs": ("_bg.job_records", "_bg.job_shards", "_bg.cancels"),
 }
-# what `batchgen status` reads: the jobs and their shards (request counts come with `jobs`, from the
-# winning commits), and the outputs' scan, bound only so that unreadable outputs parts are reported
+# The views above the scans that `over_scans` can inline, in creation order (each after what it reads)
+_INLINABLE = ("_bg.winners", "_bg.job_records", "_bg.cancels", "_bg.shard_event_agg", "shards")
+_INLINED_REF = re.compile(r"\b_bg[._](winners|job_records|cancels|shard_event_agg|shards)\b")
+
+
+def over_scans(select: str) -> str:
+    """`select` with the views above the scans that it reads (`_INLINABLE`, named `_bg_<name>` in it:
+    `_bg_shards`, `_bg_winners`, ...) as common table expressions, NOT MATERIALIZED: expanded where
+    they are read, as DuckDB expands a view. It runs on a connection that created only the scans
+    (`connect(views=...)` of `_bg.scan_*` views): creating a view binds it, and each view over others
+    binds those again, a third of a short-lived connection's set-up (`batchgen status`)."""
+    defs = dict(view_definitions(Layout(Path("/"))))  # the views above the scans name no path
+
+    def named(sql: str) -> str:
+        return _INLINED_REF.sub(lambda m: f"_bg_{m.group(1)}", sql)
+
+    wanted, todo = set(), [m.group(1) for m in _INLINED_REF.finditer(select)]
+    while todo:
+        name = todo.pop()
+        view = name if name == "shards" else f"_bg.{name}"
+        if view not in wanted:
+            wanted.add(view)
+            todo += [m.group(1) for m in _INLINED_REF.finditer(defs[view])]
+    ctes = [f"_bg_{view.removeprefix('_bg.')} AS NOT MATERIALIZED ({named(defs[view])})"
+            for view in _INLINABLE if view in wanted]
+    return (f"WITH {', '.join(ctes)}\n" if ctes else "") + f"SELECT * FROM ({named(select)})"
+
+
+# what `batchgen status` answers from: the jobs and their shards (request counts come with `jobs`, from
+# the winning commits), and the outputs' scan, bound only so that unreadable outputs parts are reported
 STATUS_VIEWS = ("jobs", "shards", "_bg.scan_outputs")
+# what its connection creates: the scans it reads (the outputs' too, bound only so that unreadable
+# outputs parts are reported); its queries inline the views above them (`over_scans`), and compute the
+# `jobs` rows from the `shards` rows (`jobs_over`)
+STATUS_BINDS = ("_bg.scan_job_records", "_bg.scan_job_events", "_bg.scan_shard_events", "_bg.scan_commits",
+                "_bg.scan_outputs")
 
 
 def _with_dependencies(names: Collection[str]) -> set[str]:

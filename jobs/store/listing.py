@@ -28,8 +28,10 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import duckdb
 
@@ -165,6 +167,7 @@ def data_dir_of(con: duckdb.DuckDBPyConnection) -> str | None:
         return None
 
 
+T = TypeVar("T")
 LISTED_TRIES = 4  # a query whose part the compactor deleted after the listing runs again (listed anew)
 
 
@@ -174,10 +177,17 @@ def execute_listed(con: duckdb.DuckDBPyConnection, sql: str, params: list | None
     """`con.execute(sql, params)` over a listing pinned for it (`pin`); on a file error (a part listed,
     then deleted by garbage collection before it was read: the views stay correct, the query only has
     to list again) listed and run again, up to `tries` times in all."""
+    return run_listed(con, lambda c: c.execute(sql, params or []), layout=layout, job_id=job_id, tries=tries)
+
+
+def run_listed(con: duckdb.DuckDBPyConnection, work: Callable[[duckdb.DuckDBPyConnection], T], *,
+               layout: Layout | None = None, job_id: str | None = None, tries: int = LISTED_TRIES) -> T:
+    """`work(con)`, a few queries, over one listing pinned for all of them (`pin`), made again and
+    `work` run again from its start on a file error, as `execute_listed` does for one query."""
     for attempt in range(tries):
         try:
             pin(con, layout, job_id=job_id)
-            return con.execute(sql, params or [])
+            return work(con)
         except duckdb.IOException:
             if attempt == tries - 1:
                 raise

@@ -1,0 +1,132 @@
+"""What `batchgen status` reads: the scans, with the views above them inlined (catalog.over_scans), the
+`shards` rows once per answer, over one listing, with the answers of the `jobs` view (jobs.status,
+catalog.jobs_over)."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from jobs.cli import cli
+from jobs.manifest import load_manifest
+from jobs.store import Store, connect, jobs_over, over_scans
+from tests.jobs.helpers import MODEL
+from tests.jobs.store.test_store_job_counts import JOB, OTHER, make_jobs
+
+
+@pytest.fixture(scope="module")
+def two_jobs(tmp_path_factory):
+    """Two submitted jobs of 4 shards: one with a committed, a failed, a running and a queued shard,
+    the other cancelled after one commit."""
+    root = tmp_path_factory.mktemp("status-reads")
+    data, src = root / "data", root / "in.parquet"
+    pq.write_table(pa.table({"prompt": [f"p{i}" for i in range(8)]}), src)
+    ids = []
+    for queue in ("q.one", "q.two"):
+        sub = CliRunner().invoke(cli, ["submit", str(src), "--model", MODEL, "--data-dir", str(data),
+                                       "--shard-size", "2", "--queue", queue])
+        assert sub.exit_code == 0, sub.output
+        ids.append(sub.output.strip().splitlines()[-1])
+    store = Store(data)
+    rows = [{"request_id": str(i), "output_text": "o", "finish_reason": "stop", "prompt_tokens": 3,
+             "output_tokens": 2, "error": None} for i in range(2)]
+    for job_id in ids:
+        att = store.begin_attempt(job_id, 0, 1, "w1", num_requests=2)
+        att.add_outputs(rows)
+        att.commit()
+    store.begin_attempt(ids[0], 1, 1, "w1", num_requests=2).fail("engine died")
+    store.begin_attempt(ids[0], 2, 1, "w2", num_requests=2).add_outputs(rows[:1])
+    CliRunner().invoke(cli, ["cancel", ids[1], "--data-dir", str(data)])
+    time.sleep(0.01)
+    return data, ids
+
+
+def test_status_creates_only_the_scans_it_reads(two_jobs, monkeypatch):
+    """Creating a view binds it (every file of its scans opened), and each view over others binds them
+    again: `status` creates the scans it reads and the outputs' (for unreadable outputs), its queries
+    inline the views above them, and the `jobs` rows are computed from the shards."""
+    from jobs.status import job_status, jobs_status
+    from jobs.store import catalog
+
+    data, ids = two_jobs
+    real, bound = catalog.create_views, []
+
+    def create_views(con, layout, relative_to=None, views=None):
+        bound.append(catalog._with_dependencies(views))
+        return real(con, layout, relative_to, views)
+
+    monkeypatch.setattr(catalog, "create_views", create_views)
+    every = {r["job_id"]: r for r in jobs_status(str(data))}
+    one = job_status(load_manifest(str(data), ids[0]), all_shards=False)
+    assert len(bound) == 2
+    for views in bound:
+        assert views == {"_bg.scan_job_records", "_bg.scan_job_events", "_bg.scan_shard_events",
+                         "_bg.scan_commits", "_bg.scan_outputs"}
+    assert (every[ids[0]]["status"], every[ids[1]]["status"]) == ("running", "cancelled")
+    assert one["shard_counts"] == {"queued": 1, "running": 1, "completed": 1, "failed": 1, "cancelled": 0,
+                                   "total": 4}
+
+
+def test_status_of_one_job_lists_its_parts_once(two_jobs, monkeypatch):
+    """`status JOB`'s job row, shard counts and listed shards come from one read of its shards over one
+    listing of its parts, so they agree with each other however the store moves meanwhile."""
+    from jobs.status import job_status
+    from jobs.store import listing
+
+    data, ids = two_jobs
+    scopes, real = [], listing.list_files
+    monkeypatch.setattr(listing, "list_files",
+                        lambda layout, job_id=None: scopes.append(job_id) or real(layout, job_id))
+    for all_shards in (False, True):
+        scopes.clear()
+        info = job_status(load_manifest(str(data), ids[0]), all_shards=all_shards)
+        assert scopes.count(ids[0]) == 1, scopes
+        assert info["shards_completed"] == info["shard_counts"]["completed"] == 1
+
+
+def _one_jobs_row_each(con, job_ids: list[str]) -> dict[str, tuple]:
+    out = {}
+    for job_id in job_ids:
+        con.execute("CREATE OR REPLACE TEMP TABLE one_job AS SELECT * FROM shards WHERE job_id = ?", [job_id])
+        out[job_id] = con.execute(f"SELECT * FROM ({jobs_over('one_job')}) WHERE job_id = ?",
+                                  [job_id]).fetchall()
+    return out
+
+
+def test_the_jobs_row_from_one_jobs_shards_is_the_views(two_jobs, tmp_path):
+    """`jobs_over` a table of one job's `shards` rows gives that job's `jobs` row, column for column, on
+    jobs whose shards take every path (duplicate and revoked commits, retries, failures, a cancel)."""
+    make_jobs(tmp_path)
+    for data, ids in ((two_jobs[0], two_jobs[1]), (tmp_path, [JOB, OTHER])):
+        con = connect(data)
+        try:
+            view = {job_id: con.execute("SELECT * FROM jobs WHERE job_id = ?", [job_id]).fetchall()
+                    for job_id in ids}
+            assert all(len(rows) == 1 for rows in view.values())
+            assert _one_jobs_row_each(con, ids) == view
+            every = con.execute(f"SELECT * FROM ({jobs_over('shards')}) ORDER BY job_id").fetchall()
+            assert every == con.execute("SELECT * FROM jobs ORDER BY job_id").fetchall()
+        finally:
+            con.close()
+
+
+def test_a_select_over_the_scans_answers_as_over_the_views(two_jobs, tmp_path):
+    """`over_scans` inlines the views above the scans: on a connection of the scans alone, the shards
+    and the jobs rows are the views'."""
+    from jobs.store import STATUS_BINDS
+
+    make_jobs(tmp_path)
+    for data in (two_jobs[0], tmp_path):
+        views, scans = connect(data), connect(data, views=STATUS_BINDS)
+        try:
+            for select, view in ((jobs_over("_bg_shards"), "jobs"), ("SELECT * FROM _bg_shards", "shards"),
+                                 ("SELECT * FROM _bg.winners", "_bg.winners")):
+                got = scans.execute(f"{over_scans(select)} ORDER BY ALL").fetchall()
+                assert got and got == views.execute(f"SELECT * FROM {view} ORDER BY ALL").fetchall()
+        finally:
+            views.close()
+            scans.close()
