@@ -56,8 +56,7 @@ def figures(level: int, points: list[float]) -> dict[str, tuple[str, str, dict]]
 
 def measure(data_dir: Path, rounds: int) -> dict:
     from dashboard.queries import JOB_REQUEST_DIGESTS
-    from jobs.store import connect, run_query
-    from jobs.store.digests import source_level
+    from jobs.store import connect, run_query, source_level
 
     con = connect(data_dir)
 

@@ -198,8 +198,7 @@ def time_round(con, data_dir: str, manifest, queries: dict, timeout_s: float) ->
     `timeout_s`) and of `status`: name -> milliseconds."""
     from dashboard.queries import JOB_PREEMPTIONS_SCAN, JOB_REQUEST_DIGESTS, job_scope
     from jobs.status import job_status, jobs_status
-    from jobs.store import QueryTimeout, UserSqlError, run_query
-    from jobs.store.digests import source_level
+    from jobs.store import QueryTimeout, UserSqlError, run_query, source_level
 
     def run(sql: str, params: dict | None):  # as dashboard.db.run
         cur = con.cursor()

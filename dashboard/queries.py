@@ -14,8 +14,7 @@ attempts instead (`_bg.request_digests_live`, jobs.store.digests): one row per p
 
 from __future__ import annotations
 
-from jobs.store.digests import LATENCY_METRICS, TIMED_OUTPUT, sampled_rows_sql
-from jobs.store.digests import LEVELS as DIGEST_LEVELS
+from jobs.store import DIGEST_LEVELS, LATENCY_METRICS, TIMED_OUTPUT, sampled_rows_sql
 
 # ---------------------------------------------------------------- jobs
 

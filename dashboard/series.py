@@ -13,7 +13,7 @@ from flask import current_app
 
 from dashboard import queries
 from dashboard.db import fetch_columns, fetch_dicts, fetch_one
-from jobs.store import digests
+from jobs.store import source_level
 
 OUTPUT_RATE_BUCKETS = 120  # buckets of the output tokens/s chart
 HISTOGRAM_BINS = 30  # bins of a latency histogram
@@ -43,7 +43,7 @@ def request_source(job_id: str) -> RequestSource:
     """The job's rows or its digests' sample, as `jobs.store.digests.source_level` decides."""
     row = fetch_one(queries.JOB_REQUEST_DIGESTS, {"job_id": job_id}) or {}
     rows, undigested = row.get("request_rows") or 0, row.get("undigested_commits") or 0
-    return RequestSource(rows, digests.source_level(rows, undigested), not undigested)
+    return RequestSource(rows, source_level(rows, undigested), not undigested)
 
 
 def job_iterations(job_id: str) -> dict:

@@ -21,7 +21,8 @@ Layout of a data dir (DATA_DIR: `--data-dir`, `$BATCHGEN_DATA_DIR`, default `./d
                <group>~<uid>~<kind>~<seq:06d>.parquet                            (everything else)
 
 Kinds: job_records, job_events (cancel requests), shard_events, commits (and their revocations,
-rows with `lost` set: `Store.revoke_commit`), outputs, requests, iterations, sweeps (`schemas.py`).
+rows with `lost` set: `Store.revoke_commit`), outputs, requests, request_digests (one per requests
+part: `digests.py`), iterations, sweeps (`schemas.py`).
 Views: jobs, shards, outputs, requests, requests_live, iterations, sweeps (`catalog.py`).
 
 Nothing in a data dir names its own absolute path (view globs in the catalog file and tombstones are
@@ -49,6 +50,9 @@ Public API:
   `unreadable_part_message` (`catalog.py`); `check_store`, `missing_rows`, `quarantine`, `CheckReport`
   (`check.py`, behind `batchgen store check`, which lives in jobs.repair: repairing marks shards lost
   through the jobs layer's shard ledger).
+- request digests (`digests.py`): `LATENCY_METRICS`, `TIMED_OUTPUT` (the metrics' one definition),
+  `DIGEST_LEVELS`, `sampled_rows_sql(level)`, `source_level(rows, undigested)`: what a large job's
+  live figures read instead of every request row (`_bg.request_digests_live`).
 - maintenance: `compact`, `compact_job`, `compact_telemetry`, `collect_garbage` (`compact.py`).
 - layout: `DATA_DIR_ENV`, `DEFAULT_DATA_DIR`, `check_id`, `new_uid`, `write_atomic` (`layout.py`); schema
   constants `INTERNAL_PREFIX`, `OUTPUTS`, `LOGPROBS_TYPE` (`schemas.py`); worker heartbeats `WorkerRecord`,
@@ -71,6 +75,8 @@ from jobs.store.catalog import (
 )
 from jobs.store.check import CheckReport, check_store, missing_rows, quarantine
 from jobs.store.compact import collect_garbage, compact, compact_job, compact_telemetry
+from jobs.store.digests import LATENCY_METRICS, TIMED_OUTPUT, sampled_rows_sql, source_level
+from jobs.store.digests import LEVELS as DIGEST_LEVELS
 from jobs.store.layout import (
     DATA_DIR_ENV,
     DEFAULT_DATA_DIR,
@@ -112,6 +118,7 @@ __all__ = [
     "QueryBusy", "STATUS_BINDS", "STATUS_VIEWS", "SqlLimits", "connect_reporting", "run_sandboxed",
     "unreadable_part_message",
     "CheckReport", "check_store", "missing_rows", "quarantine",
+    "DIGEST_LEVELS", "LATENCY_METRICS", "TIMED_OUTPUT", "sampled_rows_sql", "source_level",
     "DATA_DIR_ENV", "DEFAULT_DATA_DIR", "INTERNAL_PREFIX", "LOGPROBS_TYPE", "OUTPUTS", "QUERIES",
     "README_EXAMPLES", "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout",
     "ShardAttempt", "ShardEvent", "Store", "StoreError", "SweepRecord", "TelemetryBuffer", "UserSqlError",
