@@ -165,7 +165,11 @@ def job_shard_page(job_id: str, page: int = 1, per_page: int = SHARDS_PER_PAGE,
 
 
 def job_outputs_sample(job_id: str, limit: int) -> list[dict]:
-    return fetch_dicts(queries.JOB_OUTPUTS_SAMPLE, {"job_id": job_id, "limit": limit})
+    """The first committed shards' output rows, at most `limit` (`queries.JOB_OUTPUTS_SAMPLE`)."""
+    shards = fetch_one(queries.JOB_SAMPLE_SHARDS, {"job_id": job_id, "limit": limit}) or {}
+    if shards.get("lo") is None:
+        return []
+    return fetch_dicts(queries.JOB_OUTPUTS_SAMPLE, {"job_id": job_id, "limit": limit, **shards})
 
 
 def job_preemptions(job_id: str) -> dict:

@@ -76,9 +76,20 @@ SELECT DISTINCT worker_id FROM shards WHERE job_id = $job_id AND worker_id IS NO
 ORDER BY worker_id LIMIT $limit
 """
 
-# A sample of outputs: the first rows by request id (numeric ids in numeric order)
+# A sample of outputs: the first committed shards' rows (as many shards as hold $limit rows), first by
+# request id (numeric ids in numeric order). Shards are cut in input order, so these are the first
+# input rows that are done. JOB_SAMPLE_SHARDS picks the shards from the winning commits; the sample
+# reads only those shards' rows (`_bg.outputs_of_shards`, jobs.store.catalog), however large the job.
+JOB_SAMPLE_SHARDS = """
+WITH w AS (
+    SELECT shard_id,
+           sum(num_outputs) OVER (ORDER BY shard_id ROWS UNBOUNDED PRECEDING) - num_outputs AS before
+    FROM _bg.winners WHERE job_id = $job_id
+)
+SELECT min(shard_id) AS lo, max(shard_id) AS hi FROM w WHERE before < $limit
+"""
 JOB_OUTPUTS_SAMPLE = """
-SELECT * FROM outputs WHERE job_id = $job_id
+SELECT * FROM _bg.outputs_of_shards($job_id, $lo, $hi)
 ORDER BY TRY_CAST(request_id AS BIGINT) NULLS LAST, request_id LIMIT $limit
 """
 JOB_OUTPUTS_ALL = """
@@ -305,8 +316,8 @@ FROM requests_live WHERE job_id = $job_id
 # jobs' files however many the data dir holds
 JOB_SCOPED = frozenset({
     JOB_SUMMARY, JOB_SUMMARY_SCAN, JOB_SHARDS_PAGE, JOB_SHARD_COUNTS, JOB_SHARD_WORKERS,
-    JOB_OUTPUTS_SAMPLE, JOB_OUTPUTS_ALL, JOB_ITERATIONS, JOB_REQUEST_DIGESTS, JOB_OUTSTANDING_AT,
-    JOB_OUTPUT_RATE, JOB_LATENCY, JOB_PREEMPTIONS, JOB_PREEMPTIONS_SCAN,
+    JOB_SAMPLE_SHARDS, JOB_OUTPUTS_SAMPLE, JOB_OUTPUTS_ALL, JOB_ITERATIONS, JOB_REQUEST_DIGESTS,
+    JOB_OUTSTANDING_AT, JOB_OUTPUT_RATE, JOB_LATENCY, JOB_PREEMPTIONS, JOB_PREEMPTIONS_SCAN,
     *JOB_OUTSTANDING_AT_SAMPLED.values(), *JOB_OUTPUT_RATE_SAMPLED.values(), *JOB_LATENCY_SAMPLED.values(),
 })
 

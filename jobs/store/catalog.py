@@ -108,13 +108,14 @@ def _now_s(listed: bool = False) -> str:
     return f"({now} - {clock_skew_s():.6f})"
 
 
-def _scan_sql(layout: Layout, kind: str, relative_to: Path | None = None) -> str:
+def _scan_sql(layout: Layout, kind: str, relative_to: Path | None = None, where: str = "") -> str:
     """Every row of a kind once: per raw part (`_bg_part`), from the first active compacted file holding
     it, else from the raw part itself when this scan lists it, else from the first compacted file holding
     it (the part was merged and deleted: see the module docstring). One listing decides for the whole
     scan (the CTE is materialized: read once): the pinned one (`listing.pin`) while it is young, else
     the glob's. With `relative_to`, the glob is relative to that directory (the catalog file's views,
-    which read the glob only)."""
+    which read the glob only). `where`: a filter on the rows as the files are read (it must keep or drop
+    each part whole: the choice of files is per part)."""
     listed = relative_to is None
     glob = layout.glob(kind) if listed else os.path.relpath(layout.glob(kind), relative_to)
     files = (f"CASE WHEN {_PINNED} THEN getvariable('{LISTING_VARIABLE}').{kind} ELSE [{_q(glob)}] END"
@@ -126,7 +127,7 @@ def _scan_sql(layout: Layout, kind: str, relative_to: Path | None = None) -> str
 WITH s AS MATERIALIZED (
     SELECT *, regexp_matches(_bg_file, '/compacted/[^/]+/c[0-9]{{16}}~[^/]*$') AS _bg_compacted
     FROM read_parquet({files}, union_by_name = true, hive_partitioning = false,
-                      filename = '_bg_file')
+                      filename = '_bg_file'){f" WHERE {where}" if where else ""}
 ), pick AS (
     SELECT _bg_part, coalesce(
         min(_bg_file) FILTER (WHERE _bg_compacted
@@ -338,6 +339,23 @@ def jobs_over(shards: str) -> str:
     return _JOBS.format(job_shards=f"({_JOB_SHARDS.format(shards=shards)})")
 
 
+# The outputs of one job's shards lo..hi, as the `outputs` view has them: the shard filter is applied as
+# the files are read (row groups whose shards are all outside it are skipped: compacted outputs are
+# sorted by shard), before the scan's choice of files per part, which a filter on the view itself
+# comes after (every output row of the store read). A part holds one shard's rows, so the choice is
+# the view's. For `connect()` connections: the dashboard's sample of a job's outputs.
+OUTPUTS_OF_SHARDS_MACRO = "_bg.outputs_of_shards"
+
+
+def _outputs_of_shards_sql(layout: Layout) -> str:
+    scan = _scan_sql(layout, "outputs", where="job_id = job AND _bg_shard_id BETWEEN lo AND hi")
+    return f"""
+SELECT o.* EXCLUDE (_bg_shard_id, _bg_attempt_id, _bg_part)
+FROM _bg.winners AS w JOIN ({scan}) AS o ON o.job_id = w.job_id AND o._bg_attempt_id = w._bg_attempt_id
+WHERE w.job_id = job
+"""
+
+
 INTERNAL_SCHEMA = "_bg"  # the views' building blocks, out of `SHOW TABLES` (`SHOW ALL TABLES` lists them)
 
 
@@ -534,6 +552,11 @@ def connect_reporting(data_dir: str | os.PathLike | None = None, *, read_only_us
         con.execute(f"CREATE SCHEMA IF NOT EXISTS {INTERNAL_SCHEMA}")
         con.execute(f"CREATE MACRO {DATA_DIR_MACRO}() AS {_q(str(layout.root))}")  # for `listing.pin`
         broken = _create_views_retrying(con, layout, views)
+        if views is None or "outputs" in _with_dependencies(views):
+            # over unreadable outputs parts, the view's stand-in: its error names the file
+            body = ("SELECT * FROM outputs WHERE job_id = job" if "outputs" in broken
+                    else _outputs_of_shards_sql(layout))
+            con.execute(f"CREATE MACRO {OUTPUTS_OF_SHARDS_MACRO}(job, lo, hi) AS TABLE {body}")
         # queries run over the globs, each listing anew, unless the caller pins a listing for them
         # (`listing.pin`: run_query and fetch_rows do, before each query)
         con.execute(f"RESET VARIABLE {LISTING_VARIABLE}")
