@@ -7,6 +7,7 @@ buckets. The browser therefore draws a few thousand points whatever the job's si
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from flask import current_app
@@ -39,11 +40,25 @@ class RequestSource:
         return {"level": self.level, "rate": 2.0 ** -self.level, "request_rows": self.request_rows}
 
 
+SOURCE_TTL_S = 5.0  # a job's RequestSource is asked again after this long (a page asks 3-4 times)
+
+
 def request_source(job_id: str) -> RequestSource:
-    """The job's rows or its digests' sample, as `jobs.store.digests.source_level` decides."""
+    """The job's rows or its digests' sample, as `jobs.store.digests.source_level` decides. Kept per app
+    for SOURCE_TTL_S: the page's figures ask together, and an answer a few seconds old is still right
+    (either form answers correctly; the level only sets the sample's size)."""
+    cache = current_app.extensions.setdefault("batchgen_request_sources", {})
+    now = time.monotonic()
+    hit = cache.get(job_id)
+    if hit is not None and now - hit[0] < SOURCE_TTL_S:
+        return hit[1]
     row = fetch_one(queries.JOB_REQUEST_DIGESTS, {"job_id": job_id}) or {}
     rows, undigested = row.get("request_rows") or 0, row.get("undigested_commits") or 0
-    return RequestSource(rows, source_level(rows, undigested), not undigested)
+    source = RequestSource(rows, source_level(rows, undigested), not undigested)
+    if len(cache) > 256:  # a long-lived dashboard over many jobs: forget the old answers
+        cache.clear()
+    cache[job_id] = (now, source)
+    return source
 
 
 def job_iterations(job_id: str) -> dict:

@@ -14,7 +14,8 @@ def test_the_store_live_benchmark_times_every_query_over_a_data_dir_with_finishe
                      "--finished-requests", "512", "--max-s", "3", "--final-rounds", "1",
                      "--data-dir", str(data_dir), "--json", str(out)])
     report = json.loads(out.read_text())
-    assert set(report["queries"]) == {*store_live.dashboard_queries(), "status_all_jobs", "status_one_job"}
+    asked = {*store_live.dashboard_queries(), "job_request_digests", "status_all_jobs", "status_one_job"}
+    assert set(report["queries"]) == asked
     assert all(row["timeouts"] == 0 for row in report["queries"].values())
     jobs = {j["job_id"]: j for j in jobs_status(str(data_dir))}
     assert {j: jobs[j]["status"] for j in ("finished-00", "finished-01")} == {"finished-00": "completed",

@@ -133,3 +133,18 @@ def test_every_levels_queries_run(big_job, level):
     assert len(run_query(con.cursor(), queries.JOB_OUTPUT_RATE_SAMPLED[level], {**job, "n": 10}).rows) == 10
     points = {**job, "points": [1_000_000.0, 1_000_050.0]}
     assert len(run_query(con.cursor(), queries.JOB_OUTSTANDING_AT_SAMPLED[level], points).rows) == 2
+
+
+def test_a_jobs_source_is_kept_a_few_seconds_then_asked_again(big_job, tmp_path, monkeypatch):
+    copy = tmp_path / "data"
+    shutil.copytree(big_job, copy)
+    app = create_app({"TESTING": True, "DATA_DIR": copy, "PAGE_CACHE_ENTRIES": 0})
+    with app.app_context():
+        first = series.request_source(JOB)
+        att = Store(copy).begin_attempt(JOB, SHARDS - 1, 2, "w", num_requests=1)  # a newer attempt: 1 row
+        att.add_request("late", "stop", RequestStats(1.0, 2.0, 3.0, 4.0, 0, 1, 2))
+        att.flush()
+        assert series.request_source(JOB) == first  # kept
+        monkeypatch.setattr(series, "SOURCE_TTL_S", 0.0)
+        again = series.request_source(JOB)
+    assert again.request_rows == first.request_rows - PER_SHARD + 1  # the running shard's newest attempt
