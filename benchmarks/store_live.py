@@ -209,6 +209,7 @@ def time_round(con, data_dir: str, manifest, queries: dict, timeout_s: float) ->
     """One run of every query (interrupted past `timeout_s`, as the dashboard's are: it then counts as
     `timeout_s`) and of `status`: name -> milliseconds."""
     from dashboard.queries import JOB_PREEMPTIONS_SCAN, JOB_REQUEST_DIGESTS, job_scope
+    from dashboard.series import RequestSource
     from jobs.status import job_status, jobs_status
     from jobs.store import QueryTimeout, UserSqlError, run_query, source_level
 
@@ -230,7 +231,7 @@ def time_round(con, data_dir: str, manifest, queries: dict, timeout_s: float) ->
     except (QueryTimeout, UserSqlError) as exc:
         print(f"job_request_digests failed: {exc}", flush=True)
         (rows, undigested), out["job_request_digests"] = (0, 1), timeout_s * 1000
-    level = source_level(rows, undigested)
+    source = RequestSource(rows, source_level(rows, undigested), not undigested)
     for name, (sql, params) in queries.items():
         t = time.perf_counter()
         try:
@@ -241,9 +242,9 @@ def time_round(con, data_dir: str, manifest, queries: dict, timeout_s: float) ->
             if isinstance(sql, tuple):  # the rows or the sample, as request_source picked
                 exact, sampled = sql
                 if sampled is None:  # preemptions: the digests' sums unless commits have none
-                    sql = exact if not undigested else JOB_PREEMPTIONS_SCAN
+                    sql = exact if source.digested else JOB_PREEMPTIONS_SCAN
                 else:
-                    sql = exact if level is None else sampled[level]
+                    sql = source.pick(exact, sampled)
             run(sql, params)
             out[name] = (time.perf_counter() - t) * 1000
         except QueryTimeout:

@@ -176,26 +176,19 @@ FROM _bg.winners AS w
 JOIN _bg.scan_requests AS r ON r.job_id = w.job_id AND r._bg_attempt_id = w._bg_attempt_id
 """
 
-_REQUESTS_LIVE = """
-SELECT r.* EXCLUDE (_bg_attempt_id, _bg_part), w._bg_attempt_id IS NOT NULL AS committed
-FROM _bg.winners AS w RIGHT JOIN _bg.scan_requests AS r ON r.job_id = w.job_id AND r.shard_id = w.shard_id
+# A shard's rows that live figures count: the winning attempt's of a committed shard, else its latest
+# attempt's. One choice for `requests_live` (over the request rows) and `_bg.request_digests_live` (over
+# the digests of the same attempts' request-timing parts, jobs.store.digests), which keeps the attempt id
+_LIVE_ATTEMPTS = """
+SELECT r.* EXCLUDE ({exclude}), w._bg_attempt_id IS NOT NULL AS committed
+FROM _bg.winners AS w RIGHT JOIN {scan} AS r ON r.job_id = w.job_id AND r.shard_id = w.shard_id
 WHERE w._bg_attempt_id IS NULL OR r._bg_attempt_id = w._bg_attempt_id
 QUALIFY w._bg_attempt_id IS NOT NULL
      OR (r.attempt, r._bg_attempt_id)
         = max((r.attempt, r._bg_attempt_id)) OVER (PARTITION BY r.job_id, r.shard_id)
 """
-
-# requests_live's choice of attempts over the digests of their request-timing parts (jobs.store.digests):
-# the winning attempt's of a committed shard, else the latest attempt's
-_REQUEST_DIGESTS_LIVE = """
-SELECT d.* EXCLUDE (_bg_part), w._bg_attempt_id IS NOT NULL AS committed
-FROM _bg.winners AS w
-RIGHT JOIN _bg.scan_request_digests AS d ON d.job_id = w.job_id AND d.shard_id = w.shard_id
-WHERE w._bg_attempt_id IS NULL OR d._bg_attempt_id = w._bg_attempt_id
-QUALIFY w._bg_attempt_id IS NOT NULL
-     OR (d.attempt, d._bg_attempt_id)
-        = max((d.attempt, d._bg_attempt_id)) OVER (PARTITION BY d.job_id, d.shard_id)
-"""
+_REQUESTS_LIVE = _LIVE_ATTEMPTS.format(scan="_bg.scan_requests", exclude="_bg_attempt_id, _bg_part")
+_REQUEST_DIGESTS_LIVE = _LIVE_ATTEMPTS.format(scan="_bg.scan_request_digests", exclude="_bg_part")
 
 # The last event of the latest attempt decides (a zombie attempt's late event does not win over a
 # newer attempt). A retry's `queued` event carries the attempt number about to run. Each key is
