@@ -34,6 +34,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "submit-scale": ("benchmarks.submit_scale:main", "Submit's time and peak memory at 1M to 100M rows."),
     "store-live": ("benchmarks.store_live:main",
                    "Every dashboard query and `status`, timed while a large job's parts land."),
+    "compact-memory": ("benchmarks.compact_memory:main",
+                       "Peak memory of a compaction merge against the rows it merges."),
     "request-digests": ("benchmarks.request_digests:main",
                         "A large job's request figures from its rows against its digests' sample."),
     "run-progress": ("benchmarks.run_progress:main",

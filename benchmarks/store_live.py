@@ -21,8 +21,12 @@ as they commit (jobs.store.compact.compact_written) and runs the janitor's compa
 the job, as a worker's janitor would; `--lever compact` the janitor's alone (writers' compaction
 off); `--lever telemetry` only what the janitor compacted before (telemetry, then garbage); `--lever
 none` nothing. `--max-s` stops the writer after that long (a 10M-request job takes hours to write
-here). `--finished-jobs K` first writes K finished jobs of `--finished-requests` each (compacted,
-as the janitor leaves them): a data dir that has served other jobs.
+here). `--start-at F` first writes the job's first F of shards (two writers at once, untimed) and
+compacts them as the janitor would have, so the timed part is the middle or the end of a job (the
+writer takes hours to write a 10M-request job from the start). `--finished-jobs K` first writes K
+finished jobs of `--finished-requests` each (compacted, as the janitor leaves them): a data dir that
+has served other jobs. `--prefill-cache DIR` keeps the data dir as it is before the timing and starts
+the next run with the same parameters from a copy (compare two trees from one store).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -73,20 +79,23 @@ def make_job(data_dir: Path, requests: int, shard_size: int, job_id: str = JOB_I
 
 def writer(data_dir: str, requests: int, shard_size: int, workers: int, flushes: int, steps_per_shard: int,
            requests_per_s: float, max_s: float, done, stop, compact_as_written: bool = False,
-           job_id: str = JOB_ID) -> None:
+           job_id: str = JOB_ID, shards: tuple[int, int] | None = None) -> None:
     """Write the job's shards in order (see the module docstring), for at most `max_s` seconds (0: no
-    limit); `done` counts committed requests. `compact_as_written`: the writers compact as they write."""
+    limit); `done` counts committed requests. `compact_as_written`: the writers compact as they write.
+    `shards`: only shards [first, end) (default all), as the fleet writes them from the first on: each
+    worker's steps go on from the shards before."""
     from jobs.store import Store
 
-    rng = random.Random(0)
+    num_shards = -(-requests // shard_size)
+    first, end = shards or (0, num_shards)
+    rng = random.Random(first)
     store = Store(data_dir, compact_as_written=compact_as_written)
     telemetry = [store.telemetry_buffer(f"worker-{w:02d}", flush_interval_s=1e9) for w in range(workers)]
     for buf in telemetry:
         buf.max_rows = 40
-    steps = [0] * workers
+    steps = [steps_per_shard * len(range(w, first, workers)) for w in range(workers)]
     start = time.time()
-    num_shards = -(-requests // shard_size)
-    for shard in range(num_shards):
+    for shard in range(first, end):
         if stop.is_set() or (max_s and time.time() - start > max_s):
             break
         n = min(shard_size, requests - shard * shard_size)
@@ -106,7 +115,7 @@ def writer(data_dir: str, requests: int, shard_size: int, workers: int, flushes:
         with done.get_lock():
             done.value += n
         if requests_per_s:
-            ahead = (shard + 1) * shard_size / requests_per_s - (time.time() - start)
+            ahead = (shard + 1 - first) * shard_size / requests_per_s - (time.time() - start)
             if ahead > 0:
                 time.sleep(ahead)
     for buf in telemetry:
@@ -139,6 +148,44 @@ def _attempt(store, rng: random.Random, shard: int, attempt: int, n: int, shard_
         att.flush()
     if commit:
         att.commit()
+
+
+def prefill(data_dir: Path, args: argparse.Namespace, end_shard: int, processes: int = 2,
+            chunk: int = 1024) -> float:
+    """The job's shards [0, end_shard) as the fleet and the janitor would have left them: written by
+    `processes` writers at once (as fast as they can, not timed), `chunk` shards at a time, each chunk's
+    parts then merged as the janitor's passes merge a running job's; the merges' inputs collected at the
+    end. Returns the seconds it took."""
+    from jobs.store.catalog import ACTIVATION_DELAY_S, clock_skew_s
+    from jobs.store.compact import collect_garbage, compact_live_job, compact_telemetry
+
+    t = time.time()
+    ctx = mp.get_context("spawn")
+    done, stop = ctx.Value("q", 0), ctx.Event()
+    writing = 0.0
+    for lo in range(0, end_shard, chunk):
+        hi = min(end_shard, lo + chunk)
+        bounds = [lo + (hi - lo) * k // processes for k in range(processes + 1)]
+        procs = [ctx.Process(target=writer, args=(str(data_dir), args.requests, args.shard_size, args.workers,
+                                                  args.flushes, args.steps_per_shard, 0.0, 0.0, done, stop,
+                                                  False, JOB_ID, (a, b)))
+                 for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
+        w = time.time()
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+            if p.exitcode:
+                raise SystemExit(f"a prefill writer failed (exit code {p.exitcode})")
+        writing += time.time() - w
+        compact_live_job(data_dir, JOB_ID, min_age_s=0.0, min_parts=2)
+        compact_telemetry(data_dir, min_age_s=0.0)
+        print(f"  prefill: {done.value:,} requests in {time.time() - t:.0f} s", flush=True)
+    time.sleep(ACTIVATION_DELAY_S + clock_skew_s())  # the earliest the merges' inputs may go
+    collect_garbage(data_dir, grace_s=0.0)
+    print(f"prefilled {done.value:,} requests ({end_shard:,} shards) in {time.time() - t:.0f} s "
+          f"({writing:.0f} s writing, the rest compacting)", flush=True)
+    return time.time() - t
 
 
 def compactor(data_dir: str, lever: str, every_s: float, min_age_s: float, stop) -> None:
@@ -269,10 +316,8 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run(args: argparse.Namespace, data_dir: Path) -> dict:
-    from jobs.manifest import load_manifest
-    from jobs.store import connect
-
+def setup(args: argparse.Namespace, data_dir: Path, first: int) -> None:
+    """The data dir before the timing: `--finished-jobs`, the job, its first `first` shards."""
     for k in range(args.finished_jobs):  # earlier jobs in the data dir, written and compacted
         job_id = f"finished-{k:02d}"
         make_job(data_dir, args.finished_requests, args.shard_size, job_id)
@@ -287,12 +332,37 @@ def run(args: argparse.Namespace, data_dir: Path) -> dict:
         print(f"{args.finished_jobs} finished jobs of {args.finished_requests:,} requests written and "
               "compacted", flush=True)
     make_job(data_dir, args.requests, args.shard_size)
+    if first:
+        prefill(data_dir, args, first)
+
+
+def run(args: argparse.Namespace, data_dir: Path) -> dict:
+    from jobs.manifest import load_manifest
+    from jobs.store import connect
+
+    num_shards = -(-args.requests // args.shard_size)
+    first = min(num_shards, round(args.start_at * num_shards))
+    cached = None
+    if args.prefill_cache:  # the same data dir before the timing, kept to compare trees from one start
+        key = (f"{args.requests}r-{args.shard_size}s-{args.workers}w-{args.flushes}f-{args.steps_per_shard}i-"
+               f"{first}first-{args.finished_jobs}x{args.finished_requests}")
+        cached = args.prefill_cache / key
+    if cached is not None and cached.is_dir():
+        shutil.copytree(cached, data_dir, dirs_exist_ok=True)
+        print(f"data dir copied from {cached}", flush=True)
+    else:
+        setup(args, data_dir, first)
+        if cached is not None:
+            shutil.copytree(data_dir, cached.with_name(cached.name + ".tmp"), dirs_exist_ok=True)
+            os.replace(cached.with_name(cached.name + ".tmp"), cached)
     manifest = load_manifest(data_dir, JOB_ID)
     ctx = mp.get_context("spawn")
     done, stop = ctx.Value("q", 0), ctx.Event()  # stop: the compactor's (and an interrupted writer's)
+    done.value = min(args.requests, first * args.shard_size)
     procs = [ctx.Process(target=writer, args=(str(data_dir), args.requests, args.shard_size, args.workers,
                                               args.flushes, args.steps_per_shard, args.requests_per_s,
-                                              args.max_s, done, stop, args.lever == "writers"))]
+                                              args.max_s, done, stop, args.lever == "writers", JOB_ID,
+                                              (first, num_shards)))]
     if args.lever != "none":
         procs.append(ctx.Process(target=compactor, args=(str(data_dir), args.lever, args.compact_every_s,
                                                          args.min_age_s, stop)))
@@ -377,12 +447,21 @@ def main(argv: list[str] | None = None) -> None:
                     help="a query's limit (the dashboard's PAGE_QUERY_TIMEOUT_S); past it, it counts as this")
     ap.add_argument("--final-rounds", type=int, default=3, help="rounds timed once the job is written")
     ap.add_argument("--max-s", type=float, default=0.0, help="stop writing after this (0: the whole job)")
+    ap.add_argument("--start-at", type=float, default=0.0,
+                    help="the fraction of the job's shards written (and compacted, as the janitor leaves "
+                         "them) before the timing starts: measure the middle or the end of a job")
     ap.add_argument("--finished-jobs", type=int, default=0,
                     help="finished jobs written (and compacted) into the data dir before the live one")
     ap.add_argument("--finished-requests", type=int, default=100_000, help="requests of each finished job")
+    ap.add_argument("--prefill-cache", type=Path, default=None,
+                    help="keep the data dir as it is before the timing (finished jobs, --start-at) under "
+                         "this directory, and start from the kept copy when its parameters match: "
+                         "compare trees from the same store")
     ap.add_argument("--data-dir", type=Path, default=None, help="default: a temporary directory, deleted")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if not 0.0 <= args.start_at <= 1.0:
+        ap.error(f"--start-at {args.start_at}: a fraction of the job, from 0 to 1")
     with tempfile.TemporaryDirectory(prefix="bg-store-live-") as tmp:
         out = run(args, args.data_dir or Path(tmp))
     if args.json:

@@ -346,7 +346,7 @@ class ShardAttempt:
 
     def _own_request(self, row: Mapping) -> dict:
         row = _caller_row(row, "requests")
-        unknown = [name for name in row if name not in schemas.REQUESTS.names]
+        unknown = [name for name in row if name not in _REQUEST_COLUMNS]
         if unknown:
             allowed = schemas.REQUESTS.names
             raise StoreError(f"requests rows have unknown column(s) {unknown}; allowed: {allowed}")
@@ -362,6 +362,8 @@ class ShardAttempt:
         if self.closed:
             raise StoreError(f"attempt {self.attempt_id} is already committed, failed or cancelled")
 
+
+_REQUEST_COLUMNS = frozenset(schemas.REQUESTS.names)  # a Schema's .names builds a new list per call
 
 # a request's outcome is its worst sample's (as jobs.request_counts counts the outputs view)
 _OUTCOME_RANK = {"completed": 0, "cancelled": 1, "failed": 2}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 
 import pyarrow as pa
@@ -218,3 +219,64 @@ def test_bench_runs_at_a_tiny_size(tmp_path, capsys):
     assert phases["compacted, after gc"]["files"] < phases["raw parts"]["files"]
     assert set(phases["raw parts"]["queries"]) == set(phases["compacted, after gc"]["queries"])
     assert "job_latency" in capsys.readouterr().out
+
+
+def test_a_merge_spills_past_its_memory_limit_and_keeps_answers(tmp_path, monkeypatch):
+    """A merge runs under MERGE_MEMORY_LIMIT with its spill directory under the store's tmp, so its
+    memory does not grow with the rows merged; the answers are the same and the spill goes after."""
+    import importlib
+
+    import duckdb
+
+    compact_mod = importlib.import_module("jobs.store.compact")  # the package's `compact` is the function
+
+    monkeypatch.setattr(compact_mod, "MERGE_MEMORY_LIMIT", "64MB")
+    monkeypatch.setattr(compact_mod, "MERGE_ROW_GROUP_BYTES", "4MB")
+    configs = []
+    real_connect = duckdb.connect
+
+    def connect_spy(database=":memory:", *a, config=None, **kw):
+        if database == ":memory:" and config and "temp_directory" in config:
+            configs.append(dict(config))
+        return real_connect(database, *a, config=config or {}, **kw)
+
+    monkeypatch.setattr(compact_mod.duckdb, "connect", connect_spy)
+    store = Store(tmp_path)
+    store.record_job(JobRecord("big", "tiny", 8 * 4000, 8, time.time()))
+    rng = random.Random(0)
+    for s in range(8):  # 32 MB of output text: half the limit, and 8x a row group
+        att = store.begin_attempt("big", s, 1, "w")
+        att.add_outputs([{"request_id": f"{s}-{i}", "finish_reason": "stop", "prompt_tokens": 1,
+                          "output_tokens": 1, "error": None, "output_text": rng.randbytes(500).hex()}
+                         for i in range(4000)])
+        att.commit()
+    before = _snapshot(tmp_path)
+    report = compact_job(tmp_path, "big", force=True)
+    assert report.rows >= 32000
+    assert configs and all(c["memory_limit"] == "64MB" for c in configs)
+    assert all(os.path.dirname(c["temp_directory"]) == str(store.layout.tmp) for c in configs)
+    assert not any(store.layout.tmp.glob("*.spill"))  # removed after each merge
+    out, = _files(store.layout, "outputs", "big", "compacted")
+    assert pq.ParquetFile(out).metadata.num_row_groups >= 4  # row groups of at most MERGE_ROW_GROUP_BYTES
+    assert _snapshot(tmp_path) == before
+
+
+def test_garbage_collection_removes_a_dead_merges_spill_directory(tmp_path):
+    store = Store(tmp_path)
+    spill = store.layout.tmp / "dead.spill"
+    (spill / "sub").mkdir(parents=True)
+    (spill / "sub" / "block.tmp").write_bytes(b"x" * 10)
+    old = time.time() - 7200
+    os.utime(spill, (old, old))
+    assert collect_garbage(tmp_path) == 1
+    assert not spill.exists()
+
+
+def test_compact_memory_bench_runs_at_a_tiny_size(tmp_path):
+    from benchmarks.compact_memory import main as compact_memory
+
+    compact_memory(["--rows", "300", "--shard-size", "100", "--text-bytes", "64", "--limits", "64MB,1000GB",
+                    "--json", str(tmp_path / "out.json")])
+    results = json.loads((tmp_path / "out.json").read_text())["results"]
+    assert [(r["limit"], r["rows"]) for r in results] == [("64MB", 300), ("1000GB", 300)]
+    assert all(r["peak_rss_mb"] > 0 for r in results)
