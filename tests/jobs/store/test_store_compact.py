@@ -14,7 +14,7 @@ import pytest
 from benchmarks.store_queries import main as bench_main
 from jobs.store import catalog
 from jobs.store.catalog import connect
-from jobs.store.compact import collect_garbage, compact, compact_group, compact_job
+from jobs.store.compact import collect_garbage, compact, compact_group, compact_job, compact_telemetry
 from jobs.store.layout import Layout
 from jobs.store.listing import list_files, pin
 from jobs.store.parts import Store
@@ -280,3 +280,51 @@ def test_compact_memory_bench_runs_at_a_tiny_size(tmp_path):
     results = json.loads((tmp_path / "out.json").read_text())["results"]
     assert [(r["limit"], r["rows"]) for r in results] == [("64MB", 300), ("1000GB", 300)]
     assert all(r["peak_rss_mb"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_iterations_read_twice_over_a_pinned_listing_take_each_part_once(tmp_path, monkeypatch, pinned):
+    """catalog.TWO_READ_KINDS: a pinned listing's scan of iterations chooses its (file, part) pairs in a
+    first read and reads their rows in a second; unpinned, the one-listing form. Either way each part's
+    rows count once: from the raw parts while the compacted file holding them is not active (here a
+    merge whose tombstone was never written, so the listing keeps its inputs), from the compacted file
+    once the parts are gone or it is active."""
+    assert "iterations" in catalog.TWO_READ_KINDS
+    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 1.5)
+    store = Store(tmp_path)
+    with store.telemetry_buffer("w1", flush_interval_s=0) as buf:
+        for i in range(4):
+            buf.append({"iteration": i, "ts": float(i), "num_running": 1, "job_ids": ["j"]})
+
+    def running() -> list:
+        return sorted(r[0] for r in _iterations(tmp_path, pinned))
+
+    assert running() == [1, 1, 1, 1]
+    compact_telemetry(tmp_path, min_age_s=0)
+    for tomb in store.layout.gc.glob("*.json"):
+        tomb.unlink()  # as if the compactor died between its rename and its tombstone
+    raw = sorted((store.layout.kind_dir("iterations") / "raw" / "w1").glob("*.parquet"))
+    assert len(raw) == 4
+    for p in raw:  # mark the raw parts' rows
+        table = pq.read_table(p)
+        i = table.schema.get_field_index("num_running")
+        marked = pa.array([7] * table.num_rows, table.field(i).type)
+        pq.write_table(table.set_column(i, "num_running", marked), p)
+    assert running() == [7, 7, 7, 7]  # the compacted file is not active yet: the raw parts, once each
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    raw[0].rename(hidden / raw[0].name)
+    assert running() == [1, 7, 7, 7]  # a part gone: its rows from the compacted file
+    (hidden / raw[0].name).rename(raw[0])
+    time.sleep(1.6)
+    assert running() == [1, 1, 1, 1]  # active: the compacted file in place of every part
+
+
+def _iterations(data_dir, pinned: bool) -> list:
+    con = connect(data_dir)
+    try:
+        if pinned:
+            pin(con)
+        return con.execute("SELECT num_running FROM iterations WHERE list_contains(job_ids, 'j')").fetchall()
+    finally:
+        con.close()
