@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
             done = subprocess.run([sys.executable, "-c", _CHILD, str(data_dir), str(Path(tmp) / "out")],
                                   env=env, capture_output=True, text=True)
             if done.returncode:
-                result = {"limit": limit, "error": (done.stderr.strip().splitlines() or ["killed"])[-1]}
+                lines = [ln for ln in done.stderr.strip().splitlines() if "Error" in ln] or ["killed"]
+                result = {"limit": limit, "error": lines[-1]}
                 print(f"limit {limit:>8}: failed: {result['error']}", flush=True)
             else:
                 result = {"limit": limit, **json.loads(done.stdout.strip().splitlines()[-1])}

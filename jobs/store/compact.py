@@ -81,9 +81,12 @@ WRITER_MAX_MERGE_BYTES = 64 << 20
 WRITER_TELEMETRY_PARTS = 96
 WRITER_MIN_TELEMETRY_PARTS = 4
 # a merge's DuckDB memory: past it the sort and the deduplication spill to a directory under the store's
-# tmp (deleted after), so the memory a merge takes does not grow with the rows merged (a finished 10M-row
-# job's outputs took ~11 GB without it, and a 5M-row merge was killed on a 24 GB machine)
-MERGE_MEMORY_LIMIT = os.environ.get("BATCHGEN_STORE_MERGE_MEMORY", "512MB")
+# tmp (deleted after), so the memory a merge takes does not grow with the rows merged (without it: 3.9 GB
+# for 1M outputs of 1.5 KB, and a 5M-request merge was killed on a 24 GB machine). DuckDB's sort needs
+# room per thread: 1M outputs of 1.5 KB fit 1 GB, not 512 MB (`batchgen bench compact-memory`); a merge
+# that does not fit fails naming this setting, its inputs untouched
+MERGE_MEMORY_ENV = "BATCHGEN_STORE_MERGE_MEMORY"
+MERGE_MEMORY_LIMIT = os.environ.get(MERGE_MEMORY_ENV, "1GB")
 # ... and a row group of the file it writes is at most this big (the writer holds one whole in memory:
 # 100,000 outputs of a few KB each would not fit the limit above)
 MERGE_ROW_GROUP_BYTES = "64MB"
@@ -387,8 +390,13 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> tupl
     con = duckdb.connect(":memory:", config={"memory_limit": MERGE_MEMORY_LIMIT,
                                              "temp_directory": str(spill)})
     try:
-        con.execute(f"COPY ({select}) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd, ROW_GROUP_SIZE 100000, "
-                    f"ROW_GROUP_SIZE_BYTES '{MERGE_ROW_GROUP_BYTES}')")
+        try:
+            con.execute(f"COPY ({select}) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd, "
+                        f"ROW_GROUP_SIZE 100000, ROW_GROUP_SIZE_BYTES '{MERGE_ROW_GROUP_BYTES}')")
+        except duckdb.OutOfMemoryException as exc:
+            raise StoreError(f"merging {len(inputs)} {kind} file(s) into {out_dir} needs more than "
+                             f"{MERGE_MEMORY_LIMIT} ({MERGE_MEMORY_ENV}); nothing was changed: "
+                             f"{str(exc).splitlines()[0]}") from exc
         rows = con.execute(f"SELECT count(*) FROM read_parquet('{tmp}')").fetchall()[0][0]
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())

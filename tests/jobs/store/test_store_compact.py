@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import random
@@ -15,7 +16,7 @@ from benchmarks.store_queries import main as bench_main
 from jobs.store import catalog
 from jobs.store.catalog import connect
 from jobs.store.compact import collect_garbage, compact, compact_group, compact_job, compact_telemetry
-from jobs.store.layout import Layout
+from jobs.store.layout import Layout, StoreError
 from jobs.store.listing import list_files, pin
 from jobs.store.parts import Store
 from jobs.store.schemas import JobRecord
@@ -224,8 +225,6 @@ def test_bench_runs_at_a_tiny_size(tmp_path, capsys):
 def test_a_merge_spills_past_its_memory_limit_and_keeps_answers(tmp_path, monkeypatch):
     """A merge runs under MERGE_MEMORY_LIMIT with its spill directory under the store's tmp, so its
     memory does not grow with the rows merged; the answers are the same and the spill goes after."""
-    import importlib
-
     import duckdb
 
     compact_mod = importlib.import_module("jobs.store.compact")  # the package's `compact` is the function
@@ -328,3 +327,25 @@ def _iterations(data_dir, pinned: bool) -> list:
         return con.execute("SELECT num_running FROM iterations WHERE list_contains(job_ids, 'j')").fetchall()
     finally:
         con.close()
+
+
+def test_a_merge_over_its_memory_limit_fails_naming_the_setting_and_changes_nothing(tmp_path, monkeypatch):
+    compact_mod = importlib.import_module("jobs.store.compact")
+    monkeypatch.setattr(compact_mod, "MERGE_MEMORY_LIMIT", "2MB")
+    store = Store(tmp_path)
+    store.record_job(JobRecord("oom", "tiny", 2 * 2000, 2, time.time()))
+    rng = random.Random(1)
+    for s in range(2):
+        att = store.begin_attempt("oom", s, 1, "w")
+        att.add_outputs([{"request_id": f"{s}-{i}", "finish_reason": "stop", "prompt_tokens": 1,
+                          "output_tokens": 1, "error": None, "output_text": rng.randbytes(1000).hex()}
+                         for i in range(2000)])
+        att.commit()
+    before = _snapshot(tmp_path)
+    raw = _files(store.layout, "outputs", "oom", "raw")
+    with pytest.raises(StoreError, match=r"2MB \(BATCHGEN_STORE_MERGE_MEMORY\); nothing was changed"):
+        compact_job(tmp_path, "oom", force=True)
+    assert _files(store.layout, "outputs", "oom", "raw") == raw
+    assert _files(store.layout, "outputs", "oom", "compacted") == []
+    assert not list(store.layout.gc.glob("outputs~*.json")) and not any(store.layout.tmp.iterdir())
+    assert _snapshot(tmp_path) == before
