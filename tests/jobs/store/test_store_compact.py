@@ -222,6 +222,18 @@ def test_bench_runs_at_a_tiny_size(tmp_path, capsys):
     assert "job_latency" in capsys.readouterr().out
 
 
+def _fill_wide(store: Store, job_id: str, *, shards: int, rows: int, text_bytes: int) -> None:
+    """A committed job of `shards` x `rows` outputs, each of `text_bytes` of incompressible text."""
+    store.record_job(JobRecord(job_id, "tiny", shards * rows, shards, time.time()))
+    rng = random.Random(0)
+    for s in range(shards):
+        att = store.begin_attempt(job_id, s, 1, "w")
+        att.add_outputs([{"request_id": f"{s}-{i}", "finish_reason": "stop", "prompt_tokens": 1,
+                          "output_tokens": 1, "error": None,
+                          "output_text": rng.randbytes(text_bytes // 2).hex()} for i in range(rows)])
+        att.commit()
+
+
 def test_a_merge_spills_past_its_memory_limit_and_keeps_answers(tmp_path, monkeypatch):
     """A merge runs under MERGE_MEMORY_LIMIT with its spill directory under the store's tmp, so its
     memory does not grow with the rows merged; the answers are the same and the spill goes after."""
@@ -241,14 +253,7 @@ def test_a_merge_spills_past_its_memory_limit_and_keeps_answers(tmp_path, monkey
 
     monkeypatch.setattr(compact_mod.duckdb, "connect", connect_spy)
     store = Store(tmp_path)
-    store.record_job(JobRecord("big", "tiny", 8 * 4000, 8, time.time()))
-    rng = random.Random(0)
-    for s in range(8):  # 32 MB of output text: half the limit, and 8x a row group
-        att = store.begin_attempt("big", s, 1, "w")
-        att.add_outputs([{"request_id": f"{s}-{i}", "finish_reason": "stop", "prompt_tokens": 1,
-                          "output_tokens": 1, "error": None, "output_text": rng.randbytes(500).hex()}
-                         for i in range(4000)])
-        att.commit()
+    _fill_wide(store, "big", shards=8, rows=4000, text_bytes=1000)  # 32 MB: half the limit, 8 row groups
     before = _snapshot(tmp_path)
     report = compact_job(tmp_path, "big", force=True)
     assert report.rows >= 32000
@@ -333,14 +338,7 @@ def test_a_merge_over_its_memory_limit_fails_naming_the_setting_and_changes_noth
     compact_mod = importlib.import_module("jobs.store.compact")
     monkeypatch.setattr(compact_mod, "MERGE_MEMORY_LIMIT", "2MB")
     store = Store(tmp_path)
-    store.record_job(JobRecord("oom", "tiny", 2 * 2000, 2, time.time()))
-    rng = random.Random(1)
-    for s in range(2):
-        att = store.begin_attempt("oom", s, 1, "w")
-        att.add_outputs([{"request_id": f"{s}-{i}", "finish_reason": "stop", "prompt_tokens": 1,
-                          "output_tokens": 1, "error": None, "output_text": rng.randbytes(1000).hex()}
-                         for i in range(2000)])
-        att.commit()
+    _fill_wide(store, "oom", shards=2, rows=2000, text_bytes=2000)
     before = _snapshot(tmp_path)
     raw = _files(store.layout, "outputs", "oom", "raw")
     with pytest.raises(StoreError, match=r"2MB \(BATCHGEN_STORE_MERGE_MEMORY\); nothing was changed"):
