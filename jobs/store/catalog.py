@@ -129,6 +129,12 @@ def _pick_sql(listed: bool, source: str) -> str:
     FROM {source} GROUP BY _bg_part"""
 
 
+def _chosen(rows: str) -> str:
+    """Whether a row of `rows` (joined to `_pick_sql` as `a`) is read: from the file its part's rows
+    come from, or from its raw part when they come from it."""
+    return f"(a._bg_file IS NULL AND NOT {rows}._bg_compacted) OR a._bg_file = {rows}._bg_file"
+
+
 def _scan_sql(layout: Layout, kind: str, relative_to: Path | None = None, where: str = "") -> str:
     """Every row of a kind once: per raw part (`_bg_part`), from the first active compacted file holding
     it, else from the raw part itself when this scan lists it, else from the first compacted file holding
@@ -157,7 +163,7 @@ WITH s AS MATERIALIZED (
 )
 SELECT s.* EXCLUDE (_bg_file, _bg_compacted)
 FROM s LEFT JOIN pick AS a ON a._bg_part = s._bg_part
-WHERE (a._bg_file IS NULL AND NOT s._bg_compacted) OR a._bg_file = s._bg_file
+WHERE {_chosen("s")}
 """
     if not listed or kind not in TWO_READ_KINDS:
         return one_listing
@@ -172,7 +178,7 @@ WITH fp AS (
     {_pick_sql(listed, "fp")}
 ), chosen AS (
     SELECT fp._bg_file, fp._bg_part FROM fp LEFT JOIN pick AS a ON a._bg_part = fp._bg_part
-    WHERE (a._bg_file IS NULL AND NOT fp._bg_compacted) OR a._bg_file = fp._bg_file
+    WHERE {_chosen("fp")}
 )
 SELECT r.* EXCLUDE (_bg_file) FROM {twice} AS r
 SEMI JOIN chosen AS c ON r._bg_file = c._bg_file AND r._bg_part = c._bg_part
