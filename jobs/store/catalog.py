@@ -171,12 +171,14 @@ WHERE {_chosen("s")}
         # over a pinned listing, the files are known before the rows: each file's facts (compacted,
         # active, its rank by name) are worked out once per file, and the rows carry the file's rank, so
         # the per-part choice groups and compares integers, not paths (77k shard events: 22 -> 15 ms).
-        # Without one, the one-listing form answers (the planner drops the branch whose constant
-        # condition is false)
+        # Without one, or where the listing kept the kind's glob (no file of it was found), the
+        # one-listing form answers (the planner drops the branch whose constant condition is false)
+        ranked = (f"{_PINNED} AND len(list_filter(getvariable('{LISTING_VARIABLE}').{kind}, "
+                  "lambda p: contains(p, '*'))) = 0")
         return f"""
-SELECT * FROM ({_ranked_scan_sql(files, filtered)}) WHERE {_PINNED}
+SELECT * FROM ({_ranked_scan_sql(files, filtered)}) WHERE {ranked}
 UNION ALL BY NAME
-SELECT * FROM ({one_listing}) WHERE NOT {_PINNED}
+SELECT * FROM ({one_listing}) WHERE NOT ({ranked})
 """
     twice = f"read_parquet({files}, union_by_name = true, hive_partitioning = false, filename = '_bg_file')"
     # without a pinned listing (a connection that pinned none) the one-listing form answers: the planner

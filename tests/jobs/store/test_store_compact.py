@@ -286,14 +286,17 @@ def test_compact_memory_bench_runs_at_a_tiny_size(tmp_path):
     assert all(r["peak_rss_mb"] > 0 for r in results)
 
 
-@pytest.mark.parametrize("pinned", [True, False])
-def test_iterations_read_twice_over_a_pinned_listing_take_each_part_once(tmp_path, monkeypatch, pinned):
-    """catalog.TWO_READ_KINDS: a pinned listing's scan of iterations chooses its (file, part) pairs in a
-    first read and reads their rows in a second; unpinned, the one-listing form. Either way each part's
-    rows count once: from the raw parts while the compacted file holding them is not active (here a
-    merge whose tombstone was never written, so the listing keeps its inputs), from the compacted file
-    once the parts are gone or it is active."""
+@pytest.mark.parametrize(("pinned", "two_reads"), [(True, True), (True, False), (False, True)])
+def test_a_pinned_listings_scans_take_each_part_once(tmp_path, monkeypatch, pinned, two_reads):
+    """Over a pinned listing a scan of TWO_READ_KINDS (iterations) chooses its (file, part) pairs in a
+    first read and reads their rows in a second, any other kind's scan chooses by file rank
+    (`_ranked_scan_sql`: iterations taken out of TWO_READ_KINDS here); unpinned, the one-listing form.
+    Every way each part's rows count once: from the raw parts while the compacted file holding them is
+    not active (here a merge whose tombstone was never written, so the listing keeps its inputs), from
+    the compacted file once the parts are gone or it is active."""
     assert "iterations" in catalog.TWO_READ_KINDS
+    if not two_reads:
+        monkeypatch.setattr(catalog, "TWO_READ_KINDS", frozenset())
     monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 1.5)
     store = Store(tmp_path)
     with store.telemetry_buffer("w1", flush_interval_s=0) as buf:

@@ -134,3 +134,23 @@ def test_pinning_works_on_every_kind_of_store_connection(tmp_path, read_only_use
     con = connect(tmp_path, read_only_user_sql=read_only_user_sql)
     assert pin(con.cursor()) is not None
     assert run_query(con.cursor(), "SELECT count(*) FROM outputs").rows == [(2,)]
+
+
+def test_a_kind_listed_as_its_glob_is_read_through_it(tmp_path):
+    """A kind of which a listing found no file, not even its `_schema.parquet`, is pinned as its glob
+    (`list_files`); its scan then reads the glob, as an unpinned one does, instead of choosing by file
+    rank over a list of files (catalog._ranked_scan_sql), which would meet files it did not list."""
+    store = Store(tmp_path)
+    store.record_job(JobRecord("job-a", "tiny", 4, 2, time.time()))
+    _commit_shard(store, "job-a", 0)
+    _commit_shard(store, "job-a", 1)
+    con = connect(tmp_path)  # (connecting writes every kind's `_schema.parquet` that is missing)
+    try:
+        (store.layout.kind_dir("commits") / "_schema.parquet").unlink()
+        assert list_files(store.layout, job_id="job-b").files["commits"] == [store.layout.glob("commits")]
+        pin(con, store.layout, job_id="job-b")
+        assert con.execute("SELECT count(*) FROM _bg.scan_commits").fetchone()[0] == 2
+        pin(con, store.layout)  # files listed: chosen by rank
+        assert con.execute("SELECT count(*) FROM _bg.scan_commits").fetchone()[0] == 2
+    finally:
+        con.close()
