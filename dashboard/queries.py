@@ -345,7 +345,9 @@ SELECT worker_id, count(*) AS iterations, max(ts + duration_s) AS last_seen_ts, 
 FROM iterations GROUP BY worker_id ORDER BY last_seen_ts DESC
 """
 
-# Shards a worker is running now, and the job (and its config) it ran most recently
+# Shards a worker is running now, and the job (and its config) it ran most recently. The job's config
+# and model are its record's (as the `jobs` view has them), read from the records, not from `jobs`,
+# whose shard counts would read every shard a second time
 WORKER_SHARDS = """
 SELECT worker_id, job_id, shard_id, status, attempts, epoch(started_at) AS started_ts
 FROM shards WHERE worker_id IS NOT NULL AND status = 'running' ORDER BY worker_id, job_id, shard_id
@@ -353,7 +355,7 @@ FROM shards WHERE worker_id IS NOT NULL AND status = 'running' ORDER BY worker_i
 WORKER_LATEST_JOB = """
 SELECT s.worker_id, arg_max(s.job_id, s.started_at) AS job_id, arg_max(j.config, s.started_at) AS config,
        arg_max(j.model, s.started_at) AS model
-FROM shards AS s JOIN jobs AS j USING (job_id)
+FROM shards AS s LEFT JOIN _bg.job_records AS j USING (job_id)
 WHERE s.worker_id IS NOT NULL AND s.started_at IS NOT NULL GROUP BY s.worker_id
 """
 
