@@ -53,7 +53,9 @@ fences against `now()`, the start of the query's transaction, which every scan o
   now(): a commit made after the listing began is not counted, as its parts may not be listed. A
   listing older than `listing.MAX_AGE_S` is not used (the globs are), so a connection that never pins
   answers as before. Since the list is fixed, a scan of `TWO_READ_KINDS` may read it twice (the
-  (file, part) pairs to choose from, then the chosen rows) instead of materializing every row.
+  (file, part) pairs to choose from, then the chosen rows) instead of materializing every row, and
+  the other kinds' scans work out each file's facts from the list before reading the rows, which then
+  carry their file's rank (`_ranked_scan_sql`).
 - Every kind has a zero-row `_schema.parquet`, so an empty data dir gives zero rows, not an error.
 - In `connect`'s in-memory views paths are absolute (resolved when the connection is made), so
   they work from any cwd; the catalog file's are relative (above).
