@@ -243,8 +243,11 @@ def _winners_sql(listed: bool = False) -> str:
 WITH c AS MATERIALIZED (
     SELECT * FROM _bg.scan_commits WHERE committed_ts <= {_now_s(listed)}
 ), ok AS (
-    SELECT * EXCLUDE (lost) FROM c
-    WHERE lost IS NULL AND _bg_attempt_id NOT IN (SELECT _bg_attempt_id FROM c WHERE lost IS NOT NULL)
+    -- (not NOT IN: a NULL attempt id among the revocations would make it NULL for every commit)
+    SELECT c.* EXCLUDE (lost) FROM c
+    ANTI JOIN (SELECT DISTINCT _bg_attempt_id FROM c WHERE lost IS NOT NULL) AS r
+        ON c._bg_attempt_id IS NOT DISTINCT FROM r._bg_attempt_id
+    WHERE c.lost IS NULL
 ), several AS (
     SELECT job_id, shard_id FROM ok GROUP BY job_id, shard_id HAVING count(*) > 1
 )
