@@ -271,17 +271,18 @@ def _skip_without_amx():
 
 @pytest.fixture
 def vdpbf16ps(kernel_options):
-    """A function that runs its argument with the AMX tiles switched off (amx=False)."""
-    before = cpu_gemm.amx_in_use()
+    """A function that runs its argument with the AMX tiles switched off (amx=False), then switches
+    them back as they were when it was called (after the `cpu_variant` fixture chose its variant)."""
 
     def run(fn):
+        was, tiles = kernel_options().amx, cpu_gemm.amx_in_use()
         kernel_options(amx=False)
         try:
             assert not cpu_gemm.amx_in_use()
             return fn()
         finally:
-            kernel_options(amx=True)
-            assert cpu_gemm.amx_in_use() == before
+            kernel_options(amx=was)
+            assert cpu_gemm.amx_in_use() == tiles
     yield run
     cpu_gemm.amx_in_use()
 
