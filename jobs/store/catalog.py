@@ -121,20 +121,27 @@ _COMPACTED = "regexp_matches(_bg_file, '/compacted/[^/]+/c[0-9]{16}~[^/]*$')"
 _NAMED_AT = "(1e16 - TRY_CAST(regexp_extract(_bg_file, '/c([0-9]{16})~[^/]*$', 1) AS DOUBLE)) / 1e6"
 
 
-def _pick_sql(listed: bool, source: str) -> str:
-    """Per raw part (`_bg_part`) of `source` (rows with _bg_file, _bg_part, _bg_compacted): the file
-    its rows come from (see `_scan_sql`); NULL where they come from the raw part itself."""
-    active = f"{_NAMED_AT} + {ACTIVATION_DELAY_S + clock_skew_s():.6f} <= {_now_s(listed)}"
+def _active_sql(listed: bool, named_at: str = _NAMED_AT) -> str:
+    """Whether a compacted file named at `named_at` counts yet (see the module docstring)."""
+    return f"{named_at} + {ACTIVATION_DELAY_S + clock_skew_s():.6f} <= {_now_s(listed)}"
+
+
+def _pick_sql(listed: bool, source: str, file: str = "_bg_file", active: str | None = None) -> str:
+    """Per raw part (`_bg_part`) of `source` (rows with _bg_part, _bg_compacted and `file`, the file's
+    name or its rank among the names): the file its rows come from (see `_scan_sql`); NULL where they
+    come from the raw part itself. `active`: whether a row's compacted file counts yet (by default from
+    its name)."""
+    active = active or f"_bg_compacted AND {_active_sql(listed)}"
     return f"""SELECT _bg_part, coalesce(
-        min(_bg_file) FILTER (WHERE _bg_compacted AND {active}),
-        CASE WHEN NOT bool_or(NOT _bg_compacted) THEN min(_bg_file) END) AS _bg_file
+        min({file}) FILTER (WHERE {active}),
+        CASE WHEN NOT bool_or(NOT _bg_compacted) THEN min({file}) END) AS {file}
     FROM {source} GROUP BY _bg_part"""
 
 
-def _chosen(rows: str) -> str:
+def _chosen(rows: str, file: str = "_bg_file") -> str:
     """Whether a row of `rows` (joined to `_pick_sql` as `a`) is read: from the file its part's rows
     come from, or from its raw part when they come from it."""
-    return f"(a._bg_file IS NULL AND NOT {rows}._bg_compacted) OR a._bg_file = {rows}._bg_file"
+    return f"(a.{file} IS NULL AND NOT {rows}._bg_compacted) OR a.{file} = {rows}.{file}"
 
 
 def _scan_sql(layout: Layout, kind: str, relative_to: Path | None = None, where: str = "") -> str:
@@ -208,11 +215,10 @@ def _ranked_scan_sql(files: str, filtered: str) -> str:
     of each file come from the list (`f`), the rows join them by file name and carry the file's rank
     among the names (`_bg_fi`), so the choice per part is `_pick_sql`'s over ranks. A row whose file is
     not in the list fails the query (it would otherwise be dropped unseen)."""
-    active = f"_bg_named_at + {ACTIVATION_DELAY_S + clock_skew_s():.6f} <= {_now_s(True)}"
     return f"""
 WITH f AS MATERIALIZED (
     SELECT _bg_file, row_number() OVER (ORDER BY _bg_file) AS _bg_fi, _bg_compacted,
-           _bg_compacted AND {active} AS _bg_active
+           _bg_compacted AND {_active_sql(True, "_bg_named_at")} AS _bg_active
     FROM (SELECT DISTINCT _bg_file, {_COMPACTED} AS _bg_compacted, {_NAMED_AT} AS _bg_named_at
           FROM unnest({files}) AS u(_bg_file))
 ), s AS MATERIALIZED (
@@ -223,13 +229,11 @@ WITH f AS MATERIALIZED (
     FROM read_parquet({files}, union_by_name = true, hive_partitioning = false,
                       filename = '_bg_file') AS r LEFT JOIN f ON f._bg_file = r._bg_file{filtered}
 ), pick AS (
-    SELECT _bg_part, coalesce(min(_bg_fi) FILTER (WHERE _bg_active),
-                              CASE WHEN NOT bool_or(NOT _bg_compacted) THEN min(_bg_fi) END) AS _bg_fi
-    FROM s GROUP BY _bg_part
+    {_pick_sql(True, "s", file="_bg_fi", active="_bg_active")}
 )
 SELECT s.* EXCLUDE (_bg_fi, _bg_compacted, _bg_active)
 FROM s LEFT JOIN pick AS a ON a._bg_part = s._bg_part
-WHERE (a._bg_fi IS NULL AND NOT s._bg_compacted) OR a._bg_fi = s._bg_fi
+WHERE {_chosen("s", file="_bg_fi")}
 """
 
 
