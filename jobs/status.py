@@ -3,9 +3,10 @@
 The `jobs` and `shards` views say what is committed (the request outcome counts too: the winning
 commits carry them, jobs.request_counts); lease files add the rows finished so far by shards still
 running. The connection creates only the scans it reads (and the outputs', to report unreadable
-outputs parts: `STATUS_BINDS`), its queries inline the views above them (`over_scans`), the `jobs` rows
-are the view's SELECT over the `shards` rows (`jobs_over`), and `status JOB` reads its job's shards
-once, into a table that all its answers read, over one listing of the job's parts. Request counts
+outputs parts: `STATUS_BINDS`), its queries inline the views above them (`over_scans`: every job's
+row is the `jobs` view's), and `status JOB` reads its job's shards once, into a table that all its
+answers read (its `jobs` row is the view's SELECT over those `shards` rows, `jobs_over`), over one
+listing of the job's parts. Request counts
 follow OpenAI Batch's `request_counts`: total, completed (stop or length), failed (error rows), plus
 cancelled.
 """
@@ -21,6 +22,8 @@ from jobs.request_counts import fetch_rows, job_counts, request_counts
 from jobs.shards.state import JOB_ENDED_STATUSES, VIEW_STATUSES, ShardState
 from jobs.shards.supervise import job_progress
 from jobs.store import (
+    JOB_SHARDS_CTES,
+    JOBS_SELECT,
     STATUS_BINDS,
     connect_reporting,
     jobs_over,
@@ -36,7 +39,7 @@ def jobs_status(data_dir: str) -> list[dict]:
     con, broken = connect_reporting(data_dir, views=STATUS_BINDS)
     try:
         jobs = {r["job_id"]: r for r in fetch_rows(
-            con, f"{over_scans(jobs_over('_bg_shards'))} ORDER BY submitted_at, job_id")}
+            con, f"{over_scans(JOBS_SELECT)} ORDER BY submitted_at, job_id")}
     finally:
         con.close()
     found = job_counts(data_dir, list(jobs.values()), broken.get("outputs"))
@@ -103,15 +106,20 @@ def _ago(seconds: float) -> str:
 
 SHARD_STATES = VIEW_STATUSES  # the `shards` view's statuses, in the order they are counted
 LISTED_STATES = (ShardState.RUNNING.view_status, ShardState.FAILED.view_status)  # listed without --shards
-_JOB_SHARDS_TABLE = "_bg_status_shards"  # `status JOB`: the job's `shards` rows, read once
-# a job's shards in the listed states, and the first of every other state (a job's shard ids are
-# distinct); each row with its state's count
-_LISTED_SHARDS_SQL = f"""
-SELECT s.*, n._bg_n FROM {_JOB_SHARDS_TABLE} AS s
-JOIN (SELECT status, count(*) AS _bg_n, min(shard_id) AS _bg_first FROM {_JOB_SHARDS_TABLE} GROUP BY status)
-    AS n ON n.status = s.status
-WHERE list_contains(?, s.status) OR s.shard_id = n._bg_first ORDER BY s.shard_id
-"""
+_JOB_SHARDS_TABLE = "_bg_status_shards"  # `status JOB --shards`: the job's `shards` rows, read once
+# `status JOB` without --shards: the job's `jobs` row, once per shard of the listed states and first
+# shard of every other state among its shards without a winning commit (`_bg_shard`, with its state's
+# count `_bg_n`), or once with none; the committed shards are counted, not each made a row
+_JOB_AND_LISTED_SQL = over_scans(f"""
+WITH {JOB_SHARDS_CTES}, job AS ({jobs_over(job_shards="SELECT * FROM job_shards")}),
+n AS (
+    SELECT status, count(*) AS _bg_n, min(shard_id) AS _bg_first FROM u WHERE job_id = $2 GROUP BY status
+), listed AS (
+    SELECT u AS _bg_shard, n._bg_n FROM u JOIN n ON n.status = u.status
+    WHERE u.job_id = $2 AND (list_contains($1, u.status) OR u.shard_id = n._bg_first)
+)
+SELECT job.*, listed._bg_shard, listed._bg_n FROM job LEFT JOIN listed ON true WHERE job.job_id = $3
+""")
 
 
 def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
@@ -147,17 +155,26 @@ def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
 
 def _job_rows(con, job_id: str, all_shards: bool) -> tuple[list[dict], list[dict], Counter]:
     """The job's `jobs` row (a list of one, or none), its shards (every one, or the listed ones) and
-    their counts by state, from one read of its `shards` rows (over the listing pinned for them)."""
-    con.execute(f"CREATE OR REPLACE TEMP TABLE {_JOB_SHARDS_TABLE} AS "
-                f"{over_scans('SELECT * FROM _bg_shards')} WHERE job_id = ?", [job_id])
-    job = _dicts(con.execute(f"{over_scans(jobs_over(_JOB_SHARDS_TABLE))} WHERE job_id = ?", [job_id]))
+    their counts by state, over the listing pinned for them: with every shard, from one read of its
+    `shards` rows; else from its `jobs` row and the rows of its shards without a winning commit (a
+    job of 40,000 shards: the rows of the running ones and the counts come out of DuckDB, and the
+    committed ones are counted from the winning commits, not each made a row)."""
     if all_shards:
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {_JOB_SHARDS_TABLE} AS "
+                    f"{over_scans('SELECT * FROM _bg_shards')} WHERE job_id = ?", [job_id])
+        job = _dicts(con.execute(f"{over_scans(jobs_over(_JOB_SHARDS_TABLE))} WHERE job_id = ?", [job_id]))
         shards = _dicts(con.execute(f"SELECT * FROM {_JOB_SHARDS_TABLE} ORDER BY shard_id"))
         return job, shards, Counter(s["status"] for s in shards)
-    # a job of 40,000 shards: only the listed ones and the counts come out of DuckDB
-    rows = _dicts(con.execute(_LISTED_SHARDS_SQL, [list(LISTED_STATES)]))
-    by_state = Counter({r["status"]: r.pop("_bg_n") for r in rows})
-    return job, [r for r in rows if r["status"] in LISTED_STATES], by_state
+    # one query: the job's row, with the rows of its listed shards and of the first shard of every
+    # other state among those without a winning commit (each with its state's count) beside it
+    rows = _dicts(con.execute(_JOB_AND_LISTED_SQL, [list(LISTED_STATES), job_id, job_id]))
+    job = [{k: v for k, v in rows[0].items() if not k.startswith("_bg_")}] if rows else []
+    made = [r for r in rows if r["_bg_shard"] is not None]
+    shards = sorted((r["_bg_shard"] for r in made), key=lambda s: s["shard_id"])
+    by_state = Counter({r["_bg_shard"]["status"]: r["_bg_n"] for r in made})
+    if job:
+        by_state[ShardState.COMMITTED.view_status] = job[0]["shards_completed"]
+    return job, [s for s in shards if s["status"] in LISTED_STATES], by_state
 
 
 def _dicts(cur) -> list[dict]:

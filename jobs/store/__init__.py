@@ -39,9 +39,11 @@ Public API:
   only some views, e.g. `STATUS_VIEWS`); `pin_listing(con)`: the store's files listed once for the next
   queries, compaction's merged inputs left out (`listing.py`; `run_query` does it before each query),
   `execute_listed(con, sql, params)`: a query over such a listing, listed and run again on a deleted part
-  (`run_listed(con, work)`: a few queries over one listing), `jobs_over(relation)`: the `jobs` view's
-  SELECT over a relation of `shards` rows, `over_scans(select)`: a SELECT with the views above the
-  scans inlined (what `status` reads, on a connection of the scans only: `STATUS_BINDS`),
+  (`run_listed(con, work)`: a few queries over one listing), `JOBS_SELECT`: the `jobs` view's SELECT,
+  `jobs_over(relation)`: the same over a relation of `shards` rows (or after `JOB_SHARDS_CTES`, over
+  their per-job counts), `over_scans(select)`: a SELECT
+  with the views above the scans inlined (what `status` reads, on a connection of the scans only:
+  `STATUS_BINDS`),
   `write_catalog(data_dir)` (`catalog.py`); `run_query`, `run_user_query`, `QueryResult`,
   `UserSqlError`, `QueryTimeout` (`usersql.py`); `QUERIES`, `run_named`, `README_EXAMPLES`
   (`queries.py`).
@@ -64,6 +66,8 @@ Everything outside this package imports from here, never from its modules (tests
 """
 
 from jobs.store.catalog import (
+    JOB_SHARDS_CTES,
+    JOBS_SELECT,
     STATUS_BINDS,
     STATUS_VIEWS,
     connect,
@@ -119,11 +123,13 @@ __all__ = [
     "unreadable_part_message",
     "CheckReport", "check_store", "missing_rows", "quarantine",
     "DIGEST_LEVELS", "LATENCY_METRICS", "TIMED_OUTPUT", "sampled_rows_sql", "source_level",
-    "DATA_DIR_ENV", "DEFAULT_DATA_DIR", "INTERNAL_PREFIX", "LOGPROBS_TYPE", "OUTPUTS", "QUERIES",
-    "README_EXAMPLES", "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout", "QueryResult", "QueryTimeout",
-    "ShardAttempt", "ShardEvent", "Store", "StoreError", "SweepRecord", "TelemetryBuffer", "UserSqlError",
-    "WorkerRecord", "check_id", "collect_garbage", "compact", "compact_job", "compact_telemetry", "connect",
-    "execute_listed", "jobs_over", "new_uid", "no_worker_warning", "over_scans", "pin_listing",
-    "read_worker_records", "run_listed", "run_named", "run_query", "run_user_query", "write_atomic",
-    "write_catalog", "write_worker_record",
+    "DATA_DIR_ENV", "DEFAULT_DATA_DIR", "INTERNAL_PREFIX", "JOB_SHARDS_CTES", "JOBS_SELECT", "LOGPROBS_TYPE",
+    "OUTPUTS", "QUERIES", "README_EXAMPLES", "SCHEMA_VERSION", "CommitRecord", "JobRecord", "Layout",
+    "QueryResult", "QueryTimeout", "ShardAttempt", "ShardEvent", "Store", "StoreError", "SweepRecord",
+    "TelemetryBuffer",
+    "UserSqlError", "WorkerRecord", "check_id", "collect_garbage", "compact", "compact_job",
+    "compact_telemetry", "connect", "execute_listed", "jobs_over", "new_uid",
+    "no_worker_warning", "over_scans", "pin_listing", "read_worker_records", "run_listed", "run_named",
+    "run_query", "run_user_query", "write_atomic", "write_catalog",
+    "write_worker_record",
 ]

@@ -309,11 +309,11 @@ _REQUEST_DIGESTS_LIVE = _LIVE_ATTEMPTS.format(scan="_bg.scan_request_digests", d
 # once each: those are aggregated on their own with plain maxima (of the time: their attempt and rank
 # are 0), and the few other events with the full set, then the larger key decides per shard (the two
 # halves of one arg_max), so a 400,000-shard job does not run the costly aggregates 400,000 times.
-_SHARD_EVENT_AGG = """
+_SHARD_EVENT_AGG_OVER = """
 WITH e AS MATERIALIZED (
     SELECT *, CASE event WHEN 'queued' THEN 0 WHEN 'running' THEN 1 ELSE 2 END AS rank,
            event = 'queued' AND attempt = 0 AS first_queued
-    FROM _bg.scan_shard_events
+    FROM {events}
 ), q AS (
     -- attempt and rank are 0 here: the largest key and the arg_max are the latest time's
     SELECT job_id, shard_id, (min(attempt), max(ts), min(rank)) AS k, arg_max(error, ts) AS last_error,
@@ -344,19 +344,12 @@ SELECT coalesce(o.job_id, q.job_id) AS job_id, coalesce(o.shard_id, q.shard_id) 
     greatest(o.num_requests, q.num_requests) AS num_requests, o.first_running_ts
 FROM o FULL JOIN q ON q.job_id = o.job_id AND q.shard_id = o.shard_id
 """
+_SHARD_EVENT_AGG = _SHARD_EVENT_AGG_OVER.format(events="_bg.scan_shard_events")
 
-# winners and the event aggregate each read once (materialized), not once per reference: a scan of
-# the commits or events is a listing and every file opened
-_SHARDS = """
-WITH w AS MATERIALIZED (
-    SELECT * FROM _bg.winners
-), a AS MATERIALIZED (
-    SELECT * FROM _bg.shard_event_agg
-), keys AS (
-    SELECT job_id, shard_id FROM a
-    UNION SELECT job_id, shard_id FROM w
-    UNION SELECT job_id, unnest(range(num_shards)) AS shard_id FROM _bg.job_records
-)
+
+# A `shards` row: from the shard's keys `k`, its event aggregate `a`, its winning commit `w` and its job's
+# cancel `c` (after the CTEs that define them: `_SHARDS`, `_UNCOMMITTED_SHARDS_CTES`)
+_SHARD_ROWS = """
 SELECT k.job_id, k.shard_id,
     CASE WHEN w.job_id IS NOT NULL THEN 'completed'
          WHEN a.last_event IN ('failed', 'cancelled') THEN a.last_event
@@ -383,6 +376,33 @@ LEFT JOIN w ON w.job_id = k.job_id AND w.shard_id = k.shard_id
 LEFT JOIN _bg.cancels AS c ON c.job_id = k.job_id
 """
 
+# winners and the event aggregate each read once (materialized), not once per reference: a scan of
+# the commits or events is a listing and every file opened
+_SHARDS = """
+WITH w AS MATERIALIZED (
+    SELECT * FROM _bg.winners
+), a AS MATERIALIZED (
+    SELECT * FROM _bg.shard_event_agg
+), keys AS (
+    SELECT job_id, shard_id FROM a
+    UNION SELECT job_id, shard_id FROM w
+    UNION SELECT job_id, unnest(range(num_shards)) AS shard_id FROM _bg.job_records
+)""" + _SHARD_ROWS
+
+# The CTEs (after `w`, the winners, and `ev`, the shard events) from which _SHARD_ROWS are the `shards`
+# rows of the shards without a winning commit (status never 'completed'). A committed shard is
+# 'completed' whatever its events say, so the shard event aggregate runs over the other shards' events
+# only: a running 10M-request job's last few percent (39,063 shards, 95% committed: the aggregate
+# 46 -> 4 ms)
+_UNCOMMITTED_SHARDS_CTES = """ue AS (
+    SELECT * FROM ev ANTI JOIN w USING (job_id, shard_id)
+), a AS MATERIALIZED ({event_agg}), keys AS (
+    SELECT * FROM (SELECT job_id, shard_id FROM a
+                   UNION SELECT job_id, unnest(range(num_shards)) AS shard_id FROM _bg.job_records)
+    ANTI JOIN w USING (job_id, shard_id)
+)""".replace("{event_agg}", _SHARD_EVENT_AGG_OVER.format(events="ue"))
+
+
 _JOB_SHARDS = """
 SELECT job_id,
     count(*) AS n,
@@ -401,6 +421,42 @@ SELECT job_id,
     count(*) FILTER (WHERE status = 'completed' AND requests_completed IS NULL) AS commits_without_counts
 FROM {shards} GROUP BY job_id
 """
+
+# `_JOB_SHARDS` over the `shards` view, computed per job without a row per committed shard: the CTEs of
+# `_bg.job_shards` (the `jobs` view's: the summaries, `status`), after which a query may add its own.
+# `u` holds the `shards` rows of the shards without a winning commit, counted as _JOB_SHARDS counts
+# them; the committed ones add up from the winners per job (`wj`); a job's start is its first `running`
+# event; `job_shards` is the result. 39,063 shards, 95% committed: 87 -> 63 ms.
+JOB_SHARDS_CTES = """w AS MATERIALIZED (
+    SELECT * FROM _bg.winners
+), ev AS MATERIALIZED (
+    SELECT * FROM _bg.scan_shard_events
+), {uncommitted}, u AS MATERIALIZED ({shard_rows}), uj AS ({job_shards}), wj AS (
+    SELECT job_id, count(*) AS n, max(committed_ts) AS finished_ts, sum(num_outputs) AS rows_done,
+        sum(prompt_tokens) AS prompt_tokens, sum(output_tokens) AS output_tokens,
+        sum(requests_completed)::BIGINT AS requests_completed,
+        sum(requests_failed)::BIGINT AS requests_failed,
+        sum(requests_cancelled)::BIGINT AS requests_cancelled, sum(error_rows)::BIGINT AS error_rows,
+        count(*) FILTER (WHERE requests_completed IS NULL) AS commits_without_counts
+    FROM w GROUP BY job_id
+), started AS (
+    SELECT job_id, to_timestamp(min(ts)) AS started_at FROM ev WHERE event = 'running' GROUP BY job_id
+), job_shards AS (
+    SELECT coalesce(wj.job_id, uj.job_id) AS job_id,
+        coalesce(wj.n, 0) + coalesce(uj.n, 0) AS n,
+        coalesce(wj.n, 0) AS completed, coalesce(uj.failed, 0) AS failed,
+        coalesce(uj.running, 0) AS running, coalesce(uj.queued, 0) AS queued,
+        started.started_at,
+        greatest(to_timestamp(wj.finished_ts), uj.finished_at) AS finished_at,
+        coalesce(wj.rows_done, 0) AS rows_done, coalesce(wj.prompt_tokens, 0) AS prompt_tokens,
+        coalesce(wj.output_tokens, 0) AS output_tokens, uj.error,
+        wj.requests_completed, wj.requests_failed, wj.requests_cancelled, wj.error_rows,
+        coalesce(wj.commits_without_counts, 0) AS commits_without_counts
+    FROM wj FULL JOIN uj ON uj.job_id = wj.job_id
+    LEFT JOIN started ON started.job_id = coalesce(wj.job_id, uj.job_id)
+)""".format(uncommitted=_UNCOMMITTED_SHARDS_CTES, shard_rows=_SHARD_ROWS,
+            job_shards=_JOB_SHARDS.format(shards="u"))
+
 
 _JOBS = """
 WITH j AS (
@@ -437,12 +493,17 @@ FROM j
 """
 
 
-def jobs_over(shards: str) -> str:
+# the `jobs` view's SELECT (over_scans inlines what it reads, for a connection of scans only)
+JOBS_SELECT = _JOBS.format(job_shards="_bg.job_shards")
+
+
+def jobs_over(shards: str | None = None, *, job_shards: str | None = None) -> str:
     """The `jobs` view's SELECT with its shard counts taken from `shards`, a relation with the `shards`
     view's columns (e.g. a table of one job's `shards` rows, which then answers that job's `jobs` row
     as the view does: `batchgen status JOB` reads the job's shards once for both). It reads the job
-    records and cancels as the view does."""
-    return _JOBS.format(job_shards=f"({_JOB_SHARDS.format(shards=shards)})")
+    records and cancels as the view does. `job_shards`: a SELECT of `_JOB_SHARDS`' columns instead
+    (after `JOB_SHARDS_CTES`: `SELECT * FROM job_shards`)."""
+    return _JOBS.format(job_shards=f"({job_shards or _JOB_SHARDS.format(shards=shards)})")
 
 
 # The outputs of one job's shards lo..hi, as the `outputs` view has them: the shard filter is applied as
@@ -476,8 +537,8 @@ def view_definitions(layout: Layout, relative_to: Path | None = None) -> list[tu
         ("_bg.request_digests_live", _REQUEST_DIGESTS_LIVE),
         ("iterations", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_iterations"),
         ("sweeps", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_sweeps"),
-        ("shards", _SHARDS), ("_bg.job_shards", _JOB_SHARDS.format(shards="shards")),
-        ("jobs", _JOBS.format(job_shards="_bg.job_shards")),
+        ("shards", _SHARDS), ("_bg.job_shards", f"WITH {JOB_SHARDS_CTES} SELECT * FROM job_shards"),
+        ("jobs", JOBS_SELECT),
     ]
     return views
 
@@ -493,11 +554,13 @@ _READS: dict[str, tuple[str, ...]] = {
     "iterations": ("_bg.scan_iterations",),
     "sweeps": ("_bg.scan_sweeps",),
     "shards": ("_bg.shard_event_agg", "_bg.winners", "_bg.job_records", "_bg.cancels"),
-    "_bg.job_shards": ("shards",), "jobs": ("_bg.job_records", "_bg.job_shards", "_bg.cancels"),
+    "_bg.job_shards": ("_bg.winners", "_bg.scan_shard_events", "_bg.job_records", "_bg.cancels"),
+    "jobs": ("_bg.job_records", "_bg.job_shards", "_bg.cancels"),
 }
 # The views above the scans that `over_scans` can inline, in creation order (each after what it reads)
-_INLINABLE = ("_bg.winners", "_bg.job_records", "_bg.cancels", "_bg.shard_event_agg", "shards")
-_INLINED_REF = re.compile(r"\b_bg[._](winners|job_records|cancels|shard_event_agg|shards)\b")
+_INLINABLE = ("_bg.winners", "_bg.job_records", "_bg.cancels", "_bg.shard_event_agg", "shards",
+              "_bg.job_shards")
+_INLINED_REF = re.compile(r"\b_bg[._](winners|job_records|cancels|shard_event_agg|shards|job_shards)\b")
 
 
 def over_scans(select: str) -> str:

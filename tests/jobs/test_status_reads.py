@@ -130,3 +130,21 @@ def test_a_select_over_the_scans_answers_as_over_the_views(two_jobs, tmp_path):
         finally:
             views.close()
             scans.close()
+
+
+
+def test_status_of_one_job_counts_and_lists_as_from_every_shard(two_jobs):
+    """`status JOB` without --shards makes rows of the shards without a winning commit only and counts
+    the committed ones from the commits: its job row, counts and listed shards are those that every
+    shard's row gives (a committed, a failed, a running and a queued shard; a cancelled job)."""
+    from jobs.status import LISTED_STATES, job_status
+
+    data, ids = two_jobs
+    for job_id in ids:
+        manifest = load_manifest(str(data), job_id)
+        every, listed = job_status(manifest, all_shards=True), job_status(manifest, all_shards=False)
+        assert listed["shard_counts"] == every["shard_counts"]
+        assert ({k: v for k, v in listed.items() if k not in ("shards", "all_shards")}
+                == {k: v for k, v in every.items() if k not in ("shards", "all_shards")})
+        assert listed["shards"] == [s for s in every["shards"] if s["status"] in LISTED_STATES]
+        assert every["shard_counts"]["completed"] == 1

@@ -327,3 +327,59 @@ def test_the_shard_event_aggregate_equals_one_aggregate_over_every_event(events)
     con.executemany("INSERT INTO _bg.scan_shard_events VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
     got = sorted(con.execute(catalog._SHARD_EVENT_AGG).fetchall(), key=repr)
     assert got == sorted(con.execute(_REFERENCE_EVENT_AGG).fetchall(), key=repr)
+
+
+# a shard's commit: (job, shard, committed_ts, counts known); a job: (num_shards, cancel ts or None)
+_COMMIT = st.tuples(st.sampled_from(["j", "k"]), st.integers(0, 5), st.integers(0, 40), st.booleans())
+_JOB = st.tuples(st.sampled_from(["j", "k", "m"]), st.integers(0, 4), st.sampled_from([None, 12, 35]))
+
+
+@given(st.lists(st.tuples(st.sampled_from(["j", "k"]), _EVENT), max_size=30),
+       st.lists(_COMMIT, max_size=8), st.lists(_JOB, max_size=3))
+@example([("j", (1, "running", 1, 3, "boom", "a1", 5)), ("j", (1, "failed", 1, 4, "boom", "a1", None))],
+         [("j", 0, 9, True), ("k", 5, 2, False)], [("j", 3, 20), ("k", 2, None)])  # a failed shard's error
+@settings(max_examples=80, deadline=None)
+def test_the_jobs_shard_counts_and_the_uncommitted_shards_are_those_of_the_shards_view(events, commits, jobs):
+    """`_bg.job_shards` counts a job's shards without a row per committed shard, from rows of the
+    shards without a winning commit only (`u` of its CTES, which `status JOB` lists too): both answer
+    as the `shards` view's rows do (`_JOB_SHARDS` over them; those not 'completed'), on shards
+    committed, evented or neither, inside and outside their job's shard range, with and without a
+    cancel."""
+    from jobs.store import catalog
+
+    con = duckdb.connect()
+    con.execute("CREATE SCHEMA _bg")
+    con.execute("CREATE TABLE _bg.scan_shard_events (job_id VARCHAR, shard_id INTEGER, event VARCHAR, "
+                "attempt INTEGER, ts DOUBLE, error VARCHAR, worker_id VARCHAR, _bg_attempt_id VARCHAR, "
+                "num_requests INTEGER)")
+    seen, rows = set(), []
+    for job, (shard, event, attempt, ts, error, attempt_id, num_requests) in events:
+        if (job, shard, ts) not in seen:  # one event per shard and time (ties in arg_max aside)
+            seen.add((job, shard, ts))
+            rows.append((job, shard, event, attempt, float(ts), error, f"w{attempt}", attempt_id,
+                         num_requests))
+    if rows:
+        con.executemany("INSERT INTO _bg.scan_shard_events VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    con.execute("CREATE TABLE _bg.winners (job_id VARCHAR, shard_id INTEGER, worker_id VARCHAR, "
+                "num_outputs BIGINT, committed_ts DOUBLE, prompt_tokens BIGINT, output_tokens BIGINT, "
+                "attempt INTEGER, requests_completed BIGINT, requests_failed BIGINT, "
+                "requests_cancelled BIGINT, error_rows BIGINT)")
+    winners = {(job, shard): (ts, counted) for job, shard, ts, counted in commits}  # one per shard
+    for (job, shard), (ts, counted) in winners.items():
+        n = shard + 2
+        con.execute("INSERT INTO _bg.winners VALUES (?, ?, 'w9', ?, ?, ?, ?, 1, ?, ?, ?, ?)",
+                    [job, shard, n, float(ts), 3 * n, 2 * n] + ([n - 1, 1, 0, 1] if counted else [None] * 4))
+    con.execute("CREATE TABLE _bg.job_records (job_id VARCHAR, num_shards INTEGER)")
+    con.execute("CREATE TABLE _bg.cancels (job_id VARCHAR, cancel_ts DOUBLE, cancel_reason VARCHAR)")
+    for job, num_shards, cancel_ts in {job[0]: job for job in jobs}.values():
+        con.execute("INSERT INTO _bg.job_records VALUES (?, ?)", [job, num_shards])
+        if cancel_ts is not None:
+            con.execute("INSERT INTO _bg.cancels VALUES (?, ?, 'stop')", [job, float(cancel_ts)])
+    views = dict(catalog.view_definitions(catalog.Layout(Path("/"))))
+    for name in ("_bg.shard_event_agg", "shards", "_bg.job_shards"):
+        con.execute(f"CREATE VIEW {name} AS {views[name]}")
+
+    reference = con.execute(f"{catalog._JOB_SHARDS.format(shards='shards')} ORDER BY job_id").fetchall()
+    assert con.execute("SELECT * FROM _bg.job_shards ORDER BY job_id").fetchall() == reference
+    assert (con.execute(f"WITH {catalog.JOB_SHARDS_CTES} SELECT * FROM u ORDER BY ALL").fetchall()
+            == con.execute("SELECT * FROM shards WHERE status <> 'completed' ORDER BY ALL").fetchall())
