@@ -69,7 +69,8 @@ FROM shards WHERE job_id = $job_id AND ($status IS NULL OR status = $status)
 ORDER BY CASE status WHEN 'failed' THEN 0 WHEN 'running' THEN 1 ELSE 2 END, shard_id
 LIMIT $limit OFFSET $offset
 """
-JOB_SHARD_COUNTS = "SELECT status, count(*) AS n FROM shards WHERE job_id = $job_id GROUP BY status"
+# (from `_bg.shard_status_counts`: the `shards` rows' counts, without a row per committed shard)
+JOB_SHARD_COUNTS = "SELECT status, n FROM _bg.shard_status_counts WHERE job_id = $job_id"
 # the workers that ran a job's shards (one row each, however many shards)
 JOB_SHARD_WORKERS = """
 SELECT DISTINCT worker_id FROM shards WHERE job_id = $job_id AND worker_id IS NOT NULL
@@ -362,10 +363,10 @@ WHERE s.worker_id IS NOT NULL AND s.started_at IS NOT NULL GROUP BY s.worker_id
 # ---------------------------------------------------------------- /metrics
 
 JOB_STATUS_COUNTS = "SELECT status, count(*) AS n FROM jobs GROUP BY status"
-SHARD_STATUS_COUNTS = "SELECT status, count(*) AS n FROM shards GROUP BY status"
+SHARD_STATUS_COUNTS = "SELECT status, sum(n)::BIGINT AS n FROM _bg.shard_status_counts GROUP BY status"
 ROWS_COMMITTED = "SELECT coalesce(sum(rows_done), 0)::BIGINT AS n FROM jobs"
 JOB_SHARD_STATUS_COUNTS = """
-SELECT job_id, status, count(*) AS n FROM shards WHERE list_contains($job_ids, job_id) GROUP BY ALL
+SELECT job_id, status, n FROM _bg.shard_status_counts WHERE list_contains($job_ids, job_id)
 """
 
 # ---------------------------------------------------------------- sweeps

@@ -457,6 +457,15 @@ JOB_SHARDS_CTES = """w AS MATERIALIZED (
 )""".format(uncommitted=_UNCOMMITTED_SHARDS_CTES, shard_rows=_SHARD_ROWS,
             job_shards=_JOB_SHARDS.format(shards="u"))
 
+# `SELECT job_id, status, count(*) AS n FROM shards GROUP BY ALL` without a row per committed shard (the
+# dashboard's shard counts by state)
+_SHARD_STATUS_COUNTS = f"""
+WITH {JOB_SHARDS_CTES}
+SELECT job_id, 'completed' AS status, count(*) AS n FROM w GROUP BY job_id
+UNION ALL
+SELECT job_id, status, count(*) AS n FROM u GROUP BY job_id, status
+"""
+
 
 _JOBS = """
 WITH j AS (
@@ -538,6 +547,7 @@ def view_definitions(layout: Layout, relative_to: Path | None = None) -> list[tu
         ("iterations", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_iterations"),
         ("sweeps", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_sweeps"),
         ("shards", _SHARDS), ("_bg.job_shards", f"WITH {JOB_SHARDS_CTES} SELECT * FROM job_shards"),
+        ("_bg.shard_status_counts", _SHARD_STATUS_COUNTS),
         ("jobs", JOBS_SELECT),
     ]
     return views
@@ -555,6 +565,7 @@ _READS: dict[str, tuple[str, ...]] = {
     "sweeps": ("_bg.scan_sweeps",),
     "shards": ("_bg.shard_event_agg", "_bg.winners", "_bg.job_records", "_bg.cancels"),
     "_bg.job_shards": ("_bg.winners", "_bg.scan_shard_events", "_bg.job_records", "_bg.cancels"),
+    "_bg.shard_status_counts": ("_bg.winners", "_bg.scan_shard_events", "_bg.job_records", "_bg.cancels"),
     "jobs": ("_bg.job_records", "_bg.job_shards", "_bg.cancels"),
 }
 # The views above the scans that `over_scans` can inline, in creation order (each after what it reads)

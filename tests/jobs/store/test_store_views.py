@@ -342,7 +342,8 @@ _JOB = st.tuples(st.sampled_from(["j", "k", "m"]), st.integers(0, 4), st.sampled
 def test_the_jobs_shard_counts_and_the_uncommitted_shards_are_those_of_the_shards_view(events, commits, jobs):
     """`_bg.job_shards` counts a job's shards without a row per committed shard, from rows of the
     shards without a winning commit only (`u` of its CTES, which `status JOB` lists too): both answer
-    as the `shards` view's rows do (`_JOB_SHARDS` over them; those not 'completed'), on shards
+    as the `shards` view's rows do (`_JOB_SHARDS` over them; those not 'completed'; the counts by
+    state of `_bg.shard_status_counts`), on shards
     committed, evented or neither, inside and outside their job's shard range, with and without a
     cancel."""
     from jobs.store import catalog
@@ -376,10 +377,13 @@ def test_the_jobs_shard_counts_and_the_uncommitted_shards_are_those_of_the_shard
         if cancel_ts is not None:
             con.execute("INSERT INTO _bg.cancels VALUES (?, ?, 'stop')", [job, float(cancel_ts)])
     views = dict(catalog.view_definitions(catalog.Layout(Path("/"))))
-    for name in ("_bg.shard_event_agg", "shards", "_bg.job_shards"):
+    for name in ("_bg.shard_event_agg", "shards", "_bg.job_shards", "_bg.shard_status_counts"):
         con.execute(f"CREATE VIEW {name} AS {views[name]}")
 
     reference = con.execute(f"{catalog._JOB_SHARDS.format(shards='shards')} ORDER BY job_id").fetchall()
     assert con.execute("SELECT * FROM _bg.job_shards ORDER BY job_id").fetchall() == reference
     assert (con.execute(f"WITH {catalog.JOB_SHARDS_CTES} SELECT * FROM u ORDER BY ALL").fetchall()
             == con.execute("SELECT * FROM shards WHERE status <> 'completed' ORDER BY ALL").fetchall())
+    counts = "SELECT job_id, status, count(*) FROM shards GROUP BY ALL ORDER BY ALL"
+    assert (con.execute("SELECT * FROM _bg.shard_status_counts ORDER BY ALL").fetchall()
+            == con.execute(counts).fetchall())
