@@ -14,7 +14,7 @@ attempts instead (`_bg.request_digests_live`, jobs.store.digests): one row per p
 
 from __future__ import annotations
 
-from jobs.store import DIGEST_LEVELS, LATENCY_METRICS, TIMED_OUTPUT, sampled_rows_sql
+from jobs.store import DIGEST_LEVELS, LATENCY_METRICS, TIMED_OUTPUT, over_scans, sampled_rows_sql
 
 # ---------------------------------------------------------------- jobs
 
@@ -25,7 +25,8 @@ from jobs.store import DIGEST_LEVELS, LATENCY_METRICS, TIMED_OUTPUT, sampled_row
 # the two scans of the commits (one per view) straddle its commit. error_rows: the winning commits carry
 # their output rows with finish_reason 'error' (`jobs.error_rows`); a job with commits written before they
 # did (`counts_complete` false) is counted from the outputs instead (the _SCAN variants, which
-# dashboard.data runs for such jobs).
+# dashboard.data runs for such jobs). The views are inlined, each computed once (`over_scans`): the
+# jobs and the live figures read the winning commits alike.
 _JOBS_SUMMARY = """
 WITH live AS (
     SELECT job_id, sum(num_rows) AS rows_live, coalesce(sum(output_tokens), 0) AS output_tokens_live
@@ -39,7 +40,7 @@ SELECT j.job_id, j.status, j.model, j.num_requests, j.num_shards,
        {error_rows} AS error_rows, j.error,
        epoch(j.submitted_at) AS submitted_ts, epoch(j.started_at) AS started_ts,
        epoch(j.finished_at) AS finished_ts, j.config, j.counts_complete
-FROM jobs AS j LEFT JOIN live AS l USING (job_id){errors_join}
+FROM _bg_jobs AS j LEFT JOIN live AS l USING (job_id){errors_join}
 {job_filter}
 ORDER BY j.submitted_at DESC NULLS LAST, j.job_id
 LIMIT $limit
@@ -53,12 +54,15 @@ _EVERY_JOB = {"live_where": "", "job_filter": ""}
 _FROM_COMMITS = {"errors": "", "error_rows": "j.error_rows", "errors_join": ""}
 _FROM_OUTPUTS = {"error_rows": "coalesce(e.error_rows, 0)",
                  "errors_join": " LEFT JOIN errors AS e USING (job_id)"}
-JOBS_SUMMARY = _JOBS_SUMMARY.format(**_EVERY_JOB, **_FROM_COMMITS)
-JOB_SUMMARY = _JOBS_SUMMARY.format(**_ONE_JOB, **_FROM_COMMITS)
-JOBS_SUMMARY_SCAN = _JOBS_SUMMARY.format(**_EVERY_JOB, **_FROM_OUTPUTS,
-                                         errors=_ERRORS_SCAN.format(error_filter=""))
-JOB_SUMMARY_SCAN = _JOBS_SUMMARY.format(**_ONE_JOB, **_FROM_OUTPUTS,
-                                        errors=_ERRORS_SCAN.format(error_filter="AND job_id = $job_id"))
+_SUMMARY_ORDER = " ORDER BY submitted_ts DESC NULLS LAST, job_id"
+JOBS_SUMMARY = over_scans(_JOBS_SUMMARY.format(**_EVERY_JOB, **_FROM_COMMITS), once=True) + _SUMMARY_ORDER
+JOB_SUMMARY = over_scans(_JOBS_SUMMARY.format(**_ONE_JOB, **_FROM_COMMITS), once=True) + _SUMMARY_ORDER
+JOBS_SUMMARY_SCAN = over_scans(_JOBS_SUMMARY.format(**_EVERY_JOB, **_FROM_OUTPUTS,
+                                                    errors=_ERRORS_SCAN.format(error_filter="")),
+                               once=True) + _SUMMARY_ORDER
+JOB_SUMMARY_SCAN = over_scans(_JOBS_SUMMARY.format(
+    **_ONE_JOB, **_FROM_OUTPUTS, errors=_ERRORS_SCAN.format(error_filter="AND job_id = $job_id")),
+    once=True) + _SUMMARY_ORDER
 
 # One page of a job's shards: the ones that need a look first (failed, then running), then the
 # rest by id; `$status` (NULL = every status) narrows the list to one status
@@ -158,7 +162,7 @@ ITERATION_EXTENT_COLUMNS = ("num_iterations", "num_workers", "downsampled", "buc
 # level >= level in the job's request digests and scales what it counts to the exact totals the
 # digests carry. `JOB_REQUEST_DIGESTS` tells which to run (dashboard.series.request_source): the rows
 # of a job with few of them, or with commits whose parts have no digests (written by an older batchgen).
-JOB_REQUEST_DIGESTS = """
+JOB_REQUEST_DIGESTS = over_scans("""
 WITH d AS MATERIALIZED (
     SELECT _bg_attempt_id, committed, num_rows FROM _bg.request_digests_live WHERE job_id = $job_id
 ), c AS (
@@ -167,7 +171,7 @@ WITH d AS MATERIALIZED (
 SELECT (SELECT coalesce(sum(num_rows), 0) FROM d)::BIGINT AS request_rows,
        (SELECT count(*) FROM _bg.winners AS w LEFT JOIN c USING (_bg_attempt_id)
         WHERE w.job_id = $job_id AND coalesce(c.n, 0) <> w.num_request_rows) AS undigested_commits
-"""
+""", once=True)  # the winning commits computed once for both
 
 _ROWS = "SELECT * FROM requests_live WHERE job_id = $job_id"
 _DIGESTS = "d AS MATERIALIZED (SELECT * FROM _bg.request_digests_live WHERE job_id = $job_id),"
@@ -362,9 +366,9 @@ WHERE s.worker_id IS NOT NULL AND s.started_at IS NOT NULL GROUP BY s.worker_id
 
 # ---------------------------------------------------------------- /metrics
 
-JOB_STATUS_COUNTS = "SELECT status, count(*) AS n FROM jobs GROUP BY status"
+JOB_STATUS_COUNTS = over_scans("SELECT status, count(*) AS n FROM _bg_jobs GROUP BY status", once=True)
 SHARD_STATUS_COUNTS = "SELECT status, sum(n)::BIGINT AS n FROM _bg.shard_status_counts GROUP BY status"
-ROWS_COMMITTED = "SELECT coalesce(sum(rows_done), 0)::BIGINT AS n FROM jobs"
+ROWS_COMMITTED = over_scans("SELECT coalesce(sum(rows_done), 0)::BIGINT AS n FROM _bg_jobs", once=True)
 JOB_SHARD_STATUS_COUNTS = """
 SELECT job_id, status, n FROM _bg.shard_status_counts WHERE list_contains($job_ids, job_id)
 """

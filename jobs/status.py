@@ -39,7 +39,7 @@ def jobs_status(data_dir: str) -> list[dict]:
     con, broken = connect_reporting(data_dir, views=STATUS_BINDS)
     try:
         jobs = {r["job_id"]: r for r in fetch_rows(
-            con, f"{over_scans(JOBS_SELECT)} ORDER BY submitted_at, job_id")}
+            con, f"{over_scans(JOBS_SELECT, once=True)} ORDER BY submitted_at, job_id")}
     finally:
         con.close()
     found = job_counts(data_dir, list(jobs.values()), broken.get("outputs"))
@@ -119,7 +119,7 @@ n AS (
     WHERE u.job_id = $2 AND (list_contains($1, u.status) OR u.shard_id = n._bg_first)
 )
 SELECT job.*, listed._bg_shard, listed._bg_n FROM job LEFT JOIN listed ON true WHERE job.job_id = $3
-""")
+""", once=True)
 
 
 def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
