@@ -14,7 +14,14 @@ attempts instead (`_bg.request_digests_live`, jobs.store.digests): one row per p
 
 from __future__ import annotations
 
-from jobs.store import DIGEST_LEVELS, LATENCY_METRICS, TIMED_OUTPUT, over_scans, sampled_rows_sql
+from jobs.store import (
+    DIGEST_LEVELS,
+    JOB_SHARDS_CTES,
+    LATENCY_METRICS,
+    TIMED_OUTPUT,
+    over_scans,
+    sampled_rows_sql,
+)
 
 # ---------------------------------------------------------------- jobs
 
@@ -352,10 +359,12 @@ FROM iterations GROUP BY worker_id ORDER BY last_seen_ts DESC
 
 # Shards a worker is running now, and the job (and its config) it ran most recently. The job's config
 # and model are its record's (as the `jobs` view has them), read from the records, not from `jobs`,
-# whose shard counts would read every shard a second time
-WORKER_SHARDS = """
+# whose shard counts would read every shard a second time. A running shard has no winning commit: its
+# row is among those `JOB_SHARDS_CTES` makes (`u`), not one per committed shard
+WORKER_SHARDS = f"""
+WITH {JOB_SHARDS_CTES}
 SELECT worker_id, job_id, shard_id, status, attempts, epoch(started_at) AS started_ts
-FROM shards WHERE worker_id IS NOT NULL AND status = 'running' ORDER BY worker_id, job_id, shard_id
+FROM u WHERE worker_id IS NOT NULL AND status = 'running' ORDER BY worker_id, job_id, shard_id
 """
 WORKER_LATEST_JOB = """
 SELECT s.worker_id, arg_max(s.job_id, s.started_at) AS job_id, arg_max(j.config, s.started_at) AS config,
