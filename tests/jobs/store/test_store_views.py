@@ -294,6 +294,26 @@ FROM (SELECT *, CASE event WHEN 'queued' THEN 0 WHEN 'running' THEN 1 ELSE 2 END
 GROUP BY job_id, shard_id
 """
 
+def _shard_events_table(events) -> duckdb.DuckDBPyConnection:
+    """A connection whose `_bg.scan_shard_events` holds `events`: (job, shard, (event, attempt, ts,
+    error, attempt id, num_requests)), the first of each (job, shard, ts) only (arg_max of a tie in a
+    key may take either)."""
+    con = duckdb.connect()
+    con.execute("CREATE SCHEMA _bg")
+    con.execute("CREATE TABLE _bg.scan_shard_events (job_id VARCHAR, shard_id INTEGER, event VARCHAR, "
+                "attempt INTEGER, ts DOUBLE, error VARCHAR, worker_id VARCHAR, _bg_attempt_id VARCHAR, "
+                "num_requests INTEGER)")
+    seen, rows = set(), []
+    for job, shard, (event, attempt, ts, error, attempt_id, num_requests) in events:
+        if (job, shard, ts) not in seen:
+            seen.add((job, shard, ts))
+            rows.append((job, shard, event, attempt, float(ts), error, f"w{attempt}", attempt_id,
+                         num_requests))
+    if rows:
+        con.executemany("INSERT INTO _bg.scan_shard_events VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    return con
+
+
 _EVENTS = ["queued", "running", "completed", "failed", "cancelled"]
 _EVENT = st.tuples(st.integers(0, 3), st.sampled_from(_EVENTS),
                    st.integers(0, 3), st.integers(0, 30), st.sampled_from([None, "boom", "stop"]),
@@ -311,20 +331,8 @@ def test_the_shard_event_aggregate_equals_one_aggregate_over_every_event(events)
     is the one aggregate's, ties in a key aside (the events here have distinct times per shard)."""
     from jobs.store import catalog
 
-    con = duckdb.connect()
-    con.execute("CREATE SCHEMA _bg")
-    con.execute("CREATE TABLE _bg.scan_shard_events (job_id VARCHAR, shard_id INTEGER, event VARCHAR, "
-                "attempt INTEGER, ts DOUBLE, error VARCHAR, worker_id VARCHAR, _bg_attempt_id VARCHAR, "
-                "num_requests INTEGER)")
-    seen, rows = set(), []
-    for shard, event, attempt, ts, error, attempt_id, num_requests in events:
-        if (shard, ts) in seen:
-            continue  # one event per shard and time: arg_max of a tie may take either
-        seen.add((shard, ts))
-        rows.append(("j", shard, event, attempt, float(ts), error, f"w{attempt}", attempt_id, num_requests))
-    for shard in range(4):  # submit's first queued events, before any other
-        rows.append(("j", shard, "queued", 0, -1.0, None, "", "", 7))
-    con.executemany("INSERT INTO _bg.scan_shard_events VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    submitted = [("j", shard, ("queued", 0, -1, None, "", 7)) for shard in range(4)]  # submit's, first
+    con = _shard_events_table(submitted + [("j", e[0], (e[1], e[2], e[3], e[4], e[5], e[6])) for e in events])
     got = sorted(con.execute(catalog._SHARD_EVENT_AGG).fetchall(), key=repr)
     assert got == sorted(con.execute(_REFERENCE_EVENT_AGG).fetchall(), key=repr)
 
@@ -348,19 +356,7 @@ def test_the_jobs_shard_counts_and_the_uncommitted_shards_are_those_of_the_shard
     cancel."""
     from jobs.store import catalog
 
-    con = duckdb.connect()
-    con.execute("CREATE SCHEMA _bg")
-    con.execute("CREATE TABLE _bg.scan_shard_events (job_id VARCHAR, shard_id INTEGER, event VARCHAR, "
-                "attempt INTEGER, ts DOUBLE, error VARCHAR, worker_id VARCHAR, _bg_attempt_id VARCHAR, "
-                "num_requests INTEGER)")
-    seen, rows = set(), []
-    for job, (shard, event, attempt, ts, error, attempt_id, num_requests) in events:
-        if (job, shard, ts) not in seen:  # one event per shard and time (ties in arg_max aside)
-            seen.add((job, shard, ts))
-            rows.append((job, shard, event, attempt, float(ts), error, f"w{attempt}", attempt_id,
-                         num_requests))
-    if rows:
-        con.executemany("INSERT INTO _bg.scan_shard_events VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+    con = _shard_events_table([(job, e[0], e[1:]) for job, e in events])
     con.execute("CREATE TABLE _bg.winners (job_id VARCHAR, shard_id INTEGER, worker_id VARCHAR, "
                 "num_outputs BIGINT, committed_ts DOUBLE, prompt_tokens BIGINT, output_tokens BIGINT, "
                 "attempt INTEGER, requests_completed BIGINT, requests_failed BIGINT, "
