@@ -3,12 +3,13 @@
 The `jobs` and `shards` views say what is committed (the request outcome counts too: the winning
 commits carry them, jobs.request_counts); lease files add the rows finished so far by shards still
 running. The connection creates only the scans it reads (and the outputs', to report unreadable
-outputs parts: `STATUS_BINDS`), its queries inline the views above them (`over_scans`: every job's
-row is the `jobs` view's), and `status JOB` reads its job's shards once, into a table that all its
-answers read (its `jobs` row is the view's SELECT over those `shards` rows, `jobs_over`), over one
-listing of the job's parts. Request counts
-follow OpenAI Batch's `request_counts`: total, completed (stop or length), failed (error rows), plus
-cancelled.
+outputs parts: `STATUS_BINDS`), and its queries inline the views above them (`over_scans`): every
+job's row is the `jobs` view's. `status JOB` reads its job's row, its shard counts and its running and
+failed shards in one query (rows only for the shards without a winning commit: `JOB_SHARDS_CTES`);
+with --shards, it reads every shard's row once, into a table that all its answers read (its `jobs`
+row is the view's SELECT over them, `jobs_over`). Each over one listing of the job's parts. Request
+counts follow OpenAI Batch's `request_counts`: total, completed (stop or length), failed (error rows),
+plus cancelled.
 """
 
 from __future__ import annotations
