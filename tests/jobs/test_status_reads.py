@@ -132,7 +132,6 @@ def test_a_select_over_the_scans_answers_as_over_the_views(two_jobs, tmp_path):
             scans.close()
 
 
-
 def test_status_of_one_job_counts_and_lists_as_from_every_shard(two_jobs):
     """`status JOB` without --shards makes rows of the shards without a winning commit only and counts
     the committed ones from the commits: its job row, counts and listed shards are those that every
