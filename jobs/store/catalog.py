@@ -76,6 +76,7 @@ from pathlib import Path
 
 import duckdb
 
+from jobs.store import rollups
 from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, SCHEMA_VERSION, Layout, init_data_dir
 from jobs.store.listing import DATA_DIR_MACRO, LISTING_VARIABLE, MAX_AGE_S, pin
 from jobs.store.schemas import KINDS
@@ -234,6 +235,53 @@ WITH f AS MATERIALIZED (
 SELECT s.* EXCLUDE (_bg_fi, _bg_compacted, _bg_active)
 FROM s LEFT JOIN pick AS a ON a._bg_part = s._bg_part
 WHERE {_chosen("s", file="_bg_fi")}
+"""
+
+
+ROLLUP_VIEW = "_bg.iteration_seconds"  # the per-second rollups of the iterations (jobs.store.rollups)
+
+
+def _rollup_scan_sql(layout: Layout, relative_to: Path | None = None) -> str:
+    """The per-second rollups of the iterations (`jobs.store.rollups`): over a pinned listing, the twins
+    of its compacted files read, the rollups of its other iterations files computed from their rows,
+    and per part the file chosen as `_ranked_scan_sql` chooses; otherwise computed from the iterations'
+    scan (the catalog file's view, a connection that pinned no listing)."""
+    computed = rollups.rollup_select("_bg.scan_iterations")
+    if relative_to is not None:
+        return computed
+    listing = f"getvariable('{LISTING_VARIABLE}')"
+    twin_prefix, compacted_prefix = rollups.twin_prefixes(layout)
+    schema, glob = _q(str(rollups.schema_file(layout))), _q(layout.glob(rollups.KIND))
+    twins = f"CASE WHEN {_PINNED} THEN {listing}.iteration_twins ELSE [{schema}] END"
+    untwinned = f"CASE WHEN {_PINNED} THEN {listing}.iterations_untwinned ELSE [{glob}] END"
+    files = f"CASE WHEN {_PINNED} THEN {listing}.{rollups.KIND} ELSE []::VARCHAR[] END"
+    read = "union_by_name = true, hive_partitioning = false"
+    untwinned_rows = f"read_parquet({untwinned}, {read}, filename = '_bg_file')"
+    return f"""
+WITH f AS MATERIALIZED (
+    SELECT _bg_file, row_number() OVER (ORDER BY _bg_file) AS _bg_fi, _bg_compacted,
+           _bg_compacted AND {_active_sql(True, "_bg_named_at")} AS _bg_active
+    FROM (SELECT DISTINCT _bg_file, {_COMPACTED} AS _bg_compacted, {_NAMED_AT} AS _bg_named_at
+          FROM unnest({files}) AS u(_bg_file))
+), s AS MATERIALIZED (
+    SELECT r.* EXCLUDE (_bg_file),
+           coalesce(f._bg_fi, error('rollups of a file outside the pinned listing: ' || r._bg_file)::BIGINT)
+               AS _bg_fi,
+           f._bg_compacted, f._bg_active
+    FROM (
+        SELECT * EXCLUDE (_bg_twin),
+               {_q(compacted_prefix)} || substr(_bg_twin, {len(twin_prefix) + 1}) AS _bg_file
+        FROM read_parquet({twins}, {read}, filename = '_bg_twin')
+        UNION ALL BY NAME
+        {rollups.rollup_select(untwinned_rows, keep=("_bg_file",))}
+    ) AS r LEFT JOIN f ON f._bg_file = r._bg_file
+), pick AS (
+    {_pick_sql(True, "s", file="_bg_fi", active="_bg_active")}
+)
+SELECT s.* EXCLUDE (_bg_fi, _bg_compacted, _bg_active) FROM s LEFT JOIN pick AS a ON a._bg_part = s._bg_part
+WHERE ({_chosen("s", file="_bg_fi")}) AND {_PINNED}
+UNION ALL BY NAME
+SELECT * FROM ({computed}) WHERE NOT {_PINNED}
 """
 
 
@@ -545,6 +593,7 @@ def view_definitions(layout: Layout, relative_to: Path | None = None) -> list[tu
         ("outputs", _OUTPUTS), ("requests", _REQUESTS), ("requests_live", _REQUESTS_LIVE),
         ("_bg.request_digests_live", _REQUEST_DIGESTS_LIVE),
         ("iterations", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_iterations"),
+        (ROLLUP_VIEW, _rollup_scan_sql(layout, relative_to)),
         ("sweeps", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_sweeps"),
         ("shards", _SHARDS), ("_bg.job_shards", f"WITH {JOB_SHARDS_CTES} SELECT * FROM job_shards"),
         ("_bg.shard_status_counts", _SHARD_STATUS_COUNTS),
@@ -562,6 +611,7 @@ _READS: dict[str, tuple[str, ...]] = {
     "requests_live": ("_bg.winners", "_bg.scan_requests"),
     "_bg.request_digests_live": ("_bg.winners", "_bg.scan_request_digests"),
     "iterations": ("_bg.scan_iterations",),
+    ROLLUP_VIEW: ("_bg.scan_iterations",),
     "sweeps": ("_bg.scan_sweeps",),
     "shards": ("_bg.shard_event_agg", "_bg.winners", "_bg.job_records", "_bg.cancels"),
     "_bg.job_shards": ("_bg.winners", "_bg.scan_shard_events", "_bg.job_records", "_bg.cancels"),
@@ -640,7 +690,9 @@ def create_views(con: duckdb.DuckDBPyConnection, layout: Layout, relative_to: Pa
     for name, select in view_definitions(layout, relative_to):
         if wanted is not None and name not in wanted:
             continue
-        kind = name.removeprefix(scan_prefix) if name.startswith(scan_prefix) else None
+        # the views that read files: the scans, and the rollups (their twins)
+        kind = (name.removeprefix(scan_prefix) if name.startswith(scan_prefix)
+                else ROLLUP_VIEW.removeprefix(f"{INTERNAL_SCHEMA}.") if name == ROLLUP_VIEW else None)
         try:
             if kind is None:
                 con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
@@ -650,7 +702,8 @@ def create_views(con: duckdb.DuckDBPyConnection, layout: Layout, relative_to: Pa
             if kind is None:
                 raise
             broken[kind] = unreadable_part_message(str(exc))
-            stand_in = _unreadable_sql(layout, kind, broken[kind], relative_to)
+            schema = rollups.schema_file(layout) if name == ROLLUP_VIEW else None
+            stand_in = _unreadable_sql(layout, kind, broken[kind], relative_to, schema)
             con.execute(f"CREATE OR REPLACE VIEW {name} AS {stand_in}")
     return broken
 
@@ -687,11 +740,12 @@ QUARANTINE_HINT = ("a part file of the store is corrupt or missing: `batchgen st
                    "moves bad files aside and marks the shards whose rows they held for re-run")
 
 
-def _unreadable_sql(layout: Layout, kind: str, message: str, relative_to: Path | None = None) -> str:
-    """A stand-in for a kind's scan whose files cannot be read: it has the kind's base columns, and
-    every query that reads it fails with `message` (naming the file), while queries on views over
-    other kinds (and `SELECT 1`) still answer."""
-    schema = str(layout.kind_dir(kind) / "_schema.parquet")
+def _unreadable_sql(layout: Layout, kind: str, message: str, relative_to: Path | None = None,
+                    schema_file: Path | None = None) -> str:
+    """A stand-in for a kind's scan whose files cannot be read: it has the kind's base columns (those of
+    `schema_file` when given), and every query that reads it fails with `message` (naming the file),
+    while queries on views over other kinds (and `SELECT 1`) still answer."""
+    schema = str(schema_file or layout.kind_dir(kind) / "_schema.parquet")
     if relative_to is not None:
         schema = os.path.relpath(schema, relative_to)
     return (f"SELECT s.* FROM (SELECT 1 AS one WHERE error({_q(message)}) IS NULL) AS t "

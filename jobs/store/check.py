@@ -1,10 +1,12 @@
 """The store's half of `batchgen store check` (jobs.repair): part files that cannot be read, and
 committed rows that are gone.
 
-`check_store(data_dir)` reads every Parquet file under `store/tables/` (its footer, and with
-`deep=True` every row group) and says, for each one that fails, what its rows were:
+`check_store(data_dir)` reads every Parquet file under `store/tables/` and `store/rollups/` (its footer,
+and with `deep=True` every row group) and says, for each one that fails, what its rows were:
 
 - `_schema.parquet` (a kind's zero-row schema file): **re-derivable**, the next connection writes it anew;
+- a rollup twin under `store/rollups/` (jobs.store.rollups): **re-derivable**, the views compute the
+  rollups of its compacted file from its rows once it is moved aside;
 - a raw part whose `_bg_part` rows are in a readable compacted file of its group: **re-derivable**
   (the views take those rows from the compacted file);
 - a compacted file whose merged inputs are all still on disk and readable (its compaction's tombstone
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from jobs.store.layout import Layout, init_data_dir
+from jobs.store.layout import ROLLUPS_DIR, Layout, init_data_dir
 from jobs.store.schemas import PART_COLUMN
 
 QUARANTINE_DIR = "quarantine"
@@ -87,6 +89,7 @@ class CheckReport:
 def check_store(data_dir: str | os.PathLike, *, deep: bool = True) -> CheckReport:
     layout = init_data_dir(data_dir, create=False)
     files = sorted(layout.store.joinpath("tables").rglob("*.parquet"))
+    files += sorted(layout.store.joinpath(ROLLUPS_DIR).rglob("*.parquet"))
     errors = {path: err for path in files if (err := _unreadable(path, deep)) is not None}
     bad = [_classify(layout, path, err, errors) for path, err in errors.items()]
     outputs_bad = any(b.kind == "outputs" for b in bad)
@@ -109,7 +112,11 @@ def _unreadable(path: Path, deep: bool) -> str | None:
 
 
 def _where(layout: Layout, path: Path) -> tuple[str, str, str]:
-    """(kind, 'raw' | 'compacted' | 'schema', group) of a file under store/tables/."""
+    """(kind, 'raw' | 'compacted' | 'schema' | 'rollups', group) of a file under store/tables/ (or
+    store/rollups/: a rollup twin, or their schema file)."""
+    if path.is_relative_to(layout.store / ROLLUPS_DIR):
+        parts = path.relative_to(layout.store / ROLLUPS_DIR).parts
+        return parts[0], "schema" if len(parts) == 2 else "rollups", parts[1] if len(parts) > 2 else ""
     parts = path.relative_to(layout.store / "tables").parts
     if len(parts) == 2:
         return parts[0], "schema", ""
@@ -120,6 +127,9 @@ def _classify(layout: Layout, path: Path, error: str, errors: dict[Path, str]) -
     kind, where, group = _where(layout, path)
     if where == "schema":
         return BadFile(path, kind, group, error, "re-derivable", "the kind's empty schema file, written anew")
+    if where == "rollups":
+        return BadFile(path, kind, group, error, "re-derivable",
+                       f"per-second rollups of {path.name}: computed from its rows once moved aside")
     if where == "raw":
         holder = _compacted_holder(layout, kind, group, path.name, errors)
         if holder is not None:

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import duckdb
 
-from jobs.store import catalog
+from jobs.store import catalog, rollups
 from jobs.store.catalog import connect, write_catalog
 from jobs.store.layout import Layout, StoreError, check_id, init_data_dir, new_uid, write_atomic
 from jobs.store.listing import execute_listed, read_tombstone
@@ -274,10 +274,18 @@ def collect_garbage(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S) ->
             continue
         with _group_lock(layout, info["kind"], info["group"]) as locked:
             if locked and tomb.exists():  # a writer (compact_written) may have collected it meanwhile
-                deleted += _delete(layout.file(p) for p in info["files"])
+                deleted += _delete(_superseded(layout, info))
                 tomb.unlink()
     stale = [p for p in layout.tmp.iterdir() if now - _mtime(p, now) > TMP_MAX_AGE_S]
-    return deleted + _delete(stale)
+    return deleted + _delete(stale + rollups.orphans(layout, now))
+
+
+def _superseded(layout: Layout, info: dict) -> list[Path]:
+    """The files a tombstone lets go: its inputs, and the rollup twins of its compacted ones."""
+    files = [layout.file(p) for p in info["files"]]
+    if info["kind"] == rollups.KIND:
+        files += [rollups.twin_of(layout, p) for p in files if p.parent.parent.name == "compacted"]
+    return files
 
 
 def _due(info: dict, grace_s: float, now: float) -> bool:
@@ -295,7 +303,7 @@ def _collect_group(layout: Layout, kind: str, group: str) -> int:
         info = read_tombstone(tomb)
         if info is None or info["kind"] != kind or info["group"] != group or not _due(info, GRACE_S, now):
             continue
-        deleted += _delete(layout.file(p) for p in info["files"])
+        deleted += _delete(_superseded(layout, info))
         tomb.unlink(missing_ok=True)
     return deleted
 
@@ -383,6 +391,7 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> tupl
     files = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in inputs) + "]"
     order = f" ORDER BY {_SORT[kind]}" if kind in _SORT else ""
     tmp = layout.tmp / f"{new_uid()}.compacted.tmp"
+    twin_tmp = layout.tmp / f"{new_uid()}.rollups.tmp"
     select = (f"SELECT * EXCLUDE (_bg_file) FROM read_parquet({files}, union_by_name = true, "
               "hive_partitioning = false, filename = '_bg_file') "
               f"QUALIFY _bg_file = min(_bg_file) OVER (PARTITION BY _bg_part){order}")
@@ -398,17 +407,34 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> tupl
                              f"{MERGE_MEMORY_LIMIT} ({MERGE_MEMORY_ENV}); nothing was changed: "
                              f"{str(exc).splitlines()[0]}") from exc
         rows = con.execute(f"SELECT count(*) FROM read_parquet('{tmp}')").fetchall()[0][0]
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
+        _fsync(tmp)
+        if kind == rollups.KIND:  # its rollup twin, renamed in before it (jobs.store.rollups)
+            con.execute(f"COPY ({rollups.rollup_select(f'read_parquet({_q(tmp)})')}) TO {_q(twin_tmp)} "
+                        "(FORMAT parquet, COMPRESSION zstd)")
+            _fsync(twin_tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
         output = out_dir / _compacted_name()
+        if kind == rollups.KIND:
+            twin = rollups.twin_of(layout, output)
+            twin.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(twin_tmp, twin)
         os.replace(tmp, output)  # named at the last moment: see _compacted_name
     finally:
         con.close()
-        if tmp.exists():
-            tmp.unlink()
+        for path in (tmp, twin_tmp):
+            if path.exists():
+                path.unlink()
         shutil.rmtree(spill, ignore_errors=True)
     return rows, output
+
+
+def _q(path: Path) -> str:
+    return "'" + str(path).replace("'", "''") + "'"
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
 
 
 def _write_tombstone(layout: Layout, kind: str, group: str, inputs: list[Path], output: Path,

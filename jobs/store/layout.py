@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.store.schemas import KIND_SCHEMAS
+from jobs.store.schemas import KIND_SCHEMAS, ROLLED_UP_KIND, ROLLUPS
 
 # Bump when the part schemas or their meaning change; add a migration to MIGRATIONS below.
 # v2: commits gain `lost` (a row that revokes a commit whose rows were lost; null in a commit).
@@ -27,6 +27,7 @@ from jobs.store.schemas import KIND_SCHEMAS
 SCHEMA_VERSION = 3
 CATALOG_NAME = "batchgen.duckdb"
 STORE_DIR = "store"
+ROLLUPS_DIR = "rollups"  # under store/: rollup twins of compacted files (jobs.store.rollups)
 DEFAULT_DATA_DIR = "./data"
 DATA_DIR_ENV = "BATCHGEN_DATA_DIR"
 
@@ -100,6 +101,10 @@ class Layout:
 
     def compacted_dir(self, kind: str, group: str) -> Path:
         return self.kind_dir(kind) / "compacted" / group
+
+    def rollup_dir(self, kind: str) -> Path:
+        """Where the rollup twins of a kind's compacted files go (jobs.store.rollups)."""
+        return self.store / ROLLUPS_DIR / kind
 
     def relative(self, path: Path) -> str:
         """How a file of the data dir is named in files the store writes (tombstones): relative to
@@ -198,6 +203,10 @@ def _write_schema_files(layout: Layout) -> None:
         if found is not None and found.equals(schema, check_metadata=False):
             continue
         write_table_atomic(schema.empty_table(), path, layout.tmp)
+    path = layout.rollup_dir(ROLLED_UP_KIND) / "_schema.parquet"  # the twins' list is never empty
+    found = _schema_of(path) if path.exists() else None
+    if found is None or not found.equals(ROLLUPS, check_metadata=False):
+        write_table_atomic(ROLLUPS.empty_table(), path, layout.tmp)
 
 
 def _schema_of(path: Path) -> pa.Schema | None:

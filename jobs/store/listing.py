@@ -29,12 +29,13 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 import duckdb
 
+from jobs.store import rollups
 from jobs.store.layout import Layout, StoreError, check_id
 from jobs.store.schemas import JOB_KINDS, KINDS
 
@@ -51,9 +52,14 @@ class Listing:
     listed_at: float  # epoch seconds, taken before the first directory was read
     files: dict[str, list[str]]  # kind -> its Parquet files (absolute paths), merged inputs left out
     left_out: int  # merged inputs left out
+    # the rollup twins of the listed compacted iterations files (and the twins' schema file), and the
+    # listed iterations files without one (jobs.store.rollups.twins_listed)
+    iteration_twins: list[str] = field(default_factory=list)
+    iterations_untwinned: list[str] = field(default_factory=list)
 
     def variable(self) -> dict:
-        return {"listed_at": self.listed_at, **self.files}
+        return {"listed_at": self.listed_at, **self.files, "iteration_twins": self.iteration_twins,
+                "iterations_untwinned": self.iterations_untwinned}
 
 
 def list_files(layout: Layout, job_id: str | None = None) -> Listing:
@@ -72,7 +78,9 @@ def list_files(layout: Layout, job_id: str | None = None) -> Listing:
     # a kind with no file at all (its `_schema.parquet` gone) keeps its glob: the same error as before
     kept = {kind: [p for p in paths if p not in merged] or [layout.glob(kind)]
             for kind, paths in files.items()}
-    return Listing(listed_at, kept, len(merged & listed))
+    twins, untwinned = rollups.twins_listed(layout, kept[rollups.KIND])
+    twins = [str(rollups.schema_file(layout)), *twins]
+    return Listing(listed_at, kept, len(merged & listed), twins, untwinned)
 
 
 def _job_files(layout: Layout, kind: str, job_id: str) -> list[str]:

@@ -230,6 +230,20 @@ KIND_SCHEMAS: dict[str, pa.Schema] = {
     "sweeps": SWEEPS,
 }
 KINDS = tuple(KIND_SCHEMAS)
+
+# per-second rollups of the iterations (jobs.store.rollups): the kind, the columns the chart averages
+# (kept as sum and count of non-nulls) and those it sums, and the rollup rows' schema
+ROLLED_UP_KIND = "iterations"
+ROLLUP_AVERAGED = ("num_running", "num_waiting", "num_scheduled_seqs", "prefill_tokens", "decode_tokens",
+                   "scheduled_tokens", "token_budget", "max_num_seqs", "kv_blocks_used", "kv_blocks_total",
+                   "num_constrained_seqs", "mask_fill_s")
+ROLLUP_SUMMED = ("num_preempted",)
+ROLLUPS = _schema(
+    (PART_COLUMN, STR), ("worker_id", STR), ("job_id", STR), ("second", I64), ("iterations", I64),
+    ("first_ts", F64), ("last_end", F64),
+    *[(f"{prefix}_{c}", typ) for c in ROLLUP_AVERAGED for prefix, typ in (("sum", F64), ("n", I64))],
+    *[(c, I64) for c in ROLLUP_SUMMED],
+)
 # kinds whose parts belong to one job (grouped by job_id on disk, compacted per finished job)
 JOB_KINDS = ("job_records", "job_events", "shard_events", "commits", "outputs", "requests", "request_digests")
 

@@ -1,0 +1,118 @@
+"""Per-second rollups of the engine iterations: what a long job's iteration chart reads.
+
+A 10M-request job's fleet writes millions of iteration rows, and its chart (time buckets of at
+least a second, `dashboard.queries.JOB_ITERATIONS_ROLLED`) needs only, per worker, job and second,
+how many iterations there were and the sums of what they measured. So every compacted iterations
+file gets a *rollup twin* written beside it by the compactor (`compact._merge`), before the file is
+renamed into place:
+
+    store/rollups/iterations/<group>/<the compacted file's name>
+
+one row per (`_bg_part`, worker_id, job_id, second) of the file's rows (`rollup_select`): the
+iterations count, the first start and the last end, each averaged column's sum and count of non-null
+values (`sum_<column>`, `n_<column>`), and the preemptions. An iteration that served several jobs
+counts in each, as `list_contains(job_ids, ...)` counts it.
+
+Reading them (`catalog._rollup_scan_sql`, the view `_bg.iteration_seconds`): over a pinned listing,
+the twins of the listed compacted files are read, and the rollups of every other listed iterations
+file (raw parts, a compacted file whose twin is not there: written by an older batchgen, or renamed
+in after this listing read the twins' directory) are computed from its rows. Rows keep the part they
+summarise, so the choice of files per part is the iterations scan's own: the answer is that of
+`rollup_select` over the `iterations` view, exactly. Without a pinned listing, that is what the view
+computes. A twin is derived data: deleted with its compacted file (`compact`'s garbage collection),
+and a twin whose compacted file is gone is deleted after `ORPHAN_MAX_AGE_S`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from jobs.store.layout import Layout
+from jobs.store.schemas import ROLLED_UP_KIND as KIND
+from jobs.store.schemas import ROLLUP_AVERAGED as AVERAGED
+from jobs.store.schemas import ROLLUP_SUMMED as SUMMED
+
+ORPHAN_MAX_AGE_S = 3600.0  # a twin without its compacted file this long: a compactor died between renames
+
+
+def rollup_dir(layout: Layout) -> Path:
+    return layout.rollup_dir(KIND)
+
+
+def schema_file(layout: Layout) -> Path:
+    """Zero rollup rows (`init_data_dir` writes it): the twins' list of a listing is never empty."""
+    return rollup_dir(layout) / "_schema.parquet"
+
+
+def twin_of(layout: Layout, compacted: str | os.PathLike) -> Path:
+    """The rollup twin of a compacted iterations file (compacted/<group>/<name>)."""
+    path = Path(compacted)
+    return rollup_dir(layout) / path.parent.name / path.name
+
+
+def twin_prefixes(layout: Layout) -> tuple[str, str]:
+    """(twin path prefix, compacted file prefix): a twin's path with the first replaced by the second is
+    its compacted file's."""
+    return str(rollup_dir(layout)) + os.sep, str(layout.kind_dir(KIND) / "compacted") + os.sep
+
+
+def rollup_select(source: str, keep: tuple[str, ...] = ()) -> str:
+    """The rollup rows of the iterations rows of `source` (a relation with `_bg_part`), grouped also by
+    its columns `keep`."""
+    sums = ", ".join(f"sum({c})::DOUBLE AS sum_{c}, count({c}) AS n_{c}" for c in AVERAGED)
+    summed = ", ".join(f"sum({c})::BIGINT AS {c}" for c in SUMMED)
+    keys = ", ".join((*keep, "_bg_part", "worker_id", "job_id", "second"))
+    return f"""SELECT {keys}, count(*) AS iterations, min(ts) AS first_ts, max(ts + duration_s) AS last_end,
+       {sums}, {summed}
+FROM (SELECT *, floor(ts)::BIGINT AS second FROM {source}) AS it, unnest(it.job_ids) AS j(job_id)
+GROUP BY {keys}"""
+
+
+def twins_listed(layout: Layout, iterations: list[str]) -> tuple[list[str], list[str]]:
+    """(twins, untwinned): of a listing's iterations files, the twins found of its compacted files, and
+    the files without one (raw parts, `_schema.parquet`, twinless compacted files). Listed after the
+    iterations files: a twin is renamed in before its file, so a listed file's twin is found."""
+    twin_prefix, compacted_prefix = twin_prefixes(layout)
+    found = set(_walk(rollup_dir(layout)))
+    twins, untwinned = [], []
+    for path in iterations:
+        twin = twin_prefix + path[len(compacted_prefix):] if path.startswith(compacted_prefix) else None
+        if twin is not None and twin in found:
+            twins.append(twin)
+        else:
+            untwinned.append(path)
+    return twins, untwinned
+
+
+def orphans(layout: Layout, now: float | None = None) -> list[Path]:
+    """Twins whose compacted file is gone, older than ORPHAN_MAX_AGE_S."""
+    now = time.time() if now is None else now
+    twin_prefix, compacted_prefix = twin_prefixes(layout)
+    out = []
+    for twin in _walk(rollup_dir(layout)):
+        if os.path.exists(compacted_prefix + twin[len(twin_prefix):]):
+            continue
+        try:
+            if now - os.stat(twin).st_mtime > ORPHAN_MAX_AGE_S:
+                out.append(Path(twin))
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def _walk(directory: Path) -> list[str]:
+    """<group>/<name>.parquet files under `directory`."""
+    found = []
+    try:
+        groups = list(os.scandir(directory))
+    except FileNotFoundError:
+        return found
+    for group in groups:
+        try:
+            with os.scandir(group.path) as entries:
+                found += [e.path for e in entries if e.name.endswith(".parquet")]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return found
