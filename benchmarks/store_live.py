@@ -224,7 +224,7 @@ def dashboard_queries() -> dict[str, tuple]:
                                                 "offset": 0}),
         "job_shard_workers": (q.JOB_SHARD_WORKERS, {**job, "limit": MAX_WORKERS}),
         "job_outputs_sample": (_outputs_sample, {**job, "limit": 20}),
-        "job_iterations": (q.JOB_ITERATIONS, {**job, "max_points": MAX_POINTS}),
+        "job_iterations": (_iterations, {**job, "max_points": MAX_POINTS}),
         # the form that JOB_REQUEST_DIGESTS picks (dashboard.series.request_source), asked once a round
         "job_outstanding_at": ((q.JOB_OUTSTANDING_AT, q.JOB_OUTSTANDING_AT_SAMPLED),
                                {**job, "points": points}),
@@ -240,6 +240,14 @@ def dashboard_queries() -> dict[str, tuple]:
         "metrics_rows_committed": (q.ROWS_COMMITTED, {}),
         "metrics_job_shard_status_counts": (q.JOB_SHARD_STATUS_COUNTS, {"job_ids": [JOB_ID]}),
     }
+
+
+def _iterations(run, params: dict) -> None:
+    """The job page's iteration chart as dashboard.series.job_iterations asks it: the rollups, then the
+    rows where the rollups do not serve."""
+    from dashboard.series import iteration_series
+
+    iteration_series(lambda sql, p: run(sql, p, columns=True), params["job_id"], params["max_points"])
 
 
 def _outputs_sample(run, params: dict) -> None:
@@ -260,13 +268,16 @@ def time_round(con, data_dir: str, manifest, queries: dict, timeout_s: float) ->
     from jobs.status import job_status, jobs_status
     from jobs.store import QueryTimeout, UserSqlError, run_query, source_level
 
-    def run(sql: str, params: dict | None):  # as dashboard.db.run
+    def run(sql: str, params: dict | None, columns: bool = False):  # as dashboard.db.run (fetch_columns)
         cur = con.cursor()
         try:
-            return run_query(cur, sql, params or None, timeout_s=timeout_s, max_rows=200_000,
-                             job_id=job_scope(sql, params)).rows
+            result = run_query(cur, sql, params or None, timeout_s=timeout_s, max_rows=200_000,
+                               job_id=job_scope(sql, params))
         finally:
             cur.close()
+        if columns:
+            return {name: [row[i] for row in result.rows] for i, name in enumerate(result.columns)}
+        return result.rows
 
     out = {}
     # the page's figures over requests ask which form to read once (dashboard.series.request_source,

@@ -18,6 +18,8 @@ from jobs.store import (
     DIGEST_LEVELS,
     JOB_SHARDS_CTES,
     LATENCY_METRICS,
+    ROLLUP_AVERAGED,
+    ROLLUP_SUMMED,
     TIMED_OUTPUT,
     over_scans,
     sampled_rows_sql,
@@ -122,7 +124,7 @@ WITH it AS MATERIALIZED (
     SELECT ts, duration_s, worker_id, num_running, num_waiting, num_scheduled_seqs, prefill_tokens,
            decode_tokens, scheduled_tokens, token_budget, max_num_seqs, kv_blocks_used, kv_blocks_total,
            num_preempted, num_constrained_seqs, mask_fill_s
-    FROM iterations WHERE list_contains(job_ids, $job_id)
+    FROM iterations WHERE list_contains(job_ids, $job_id) AND ts BETWEEN $t0 AND $t_end
 ), extent AS (
     SELECT count(*) AS num_iterations, count(DISTINCT worker_id) AS num_workers, min(ts) AS t0,
            NOT (count(*) <= $max_points AND count(DISTINCT worker_id) = 1) AS downsampled,
@@ -159,8 +161,41 @@ SELECT CASE WHEN any_value(e.downsampled) THEN any_value(e.t0) + bucket * any_va
        any_value(e.downsampled) AS downsampled, any_value(e.bucket_s) AS bucket_s
 FROM per_worker, extent AS e GROUP BY bucket ORDER BY bucket
 """
-# the columns of JOB_ITERATIONS that describe the whole series, not a point
+# the columns of JOB_ITERATIONS(_ROLLED) that describe the whole series, not a point
 ITERATION_EXTENT_COLUMNS = ("num_iterations", "num_workers", "downsampled", "bucket_s")
+
+# The same series from the per-second rollups of the iterations (`_bg.iteration_seconds`,
+# jobs.store.rollups): buckets of whole seconds from the whole second before the first iteration, as
+# many as fit in $max_points, each worker's mean per iteration in the bucket (sum over count of its
+# rollups) summed over the workers: JOB_ITERATIONS's answer on that grid, exactly. Its rows also carry
+# the extent of the job's iterations (t0: the first start, t_end: the last end) and `rolled`: whether
+# this is the series to draw (downsampled, and buckets of at least a second: a span of $max_points
+# seconds or more); otherwise JOB_ITERATIONS answers, over the rows of [t0, t_end] only (a long-finished
+# job's iterations then come from few row groups of the compacted files, sorted by time).
+JOB_ITERATIONS_ROLLED = f"""
+WITH r AS MATERIALIZED (
+    SELECT * FROM _bg.iteration_seconds WHERE job_id = $job_id
+), grid AS (
+    SELECT *, floor((t_end - b0) / $max_points) + 1 AS bucket_s,
+           NOT (num_iterations <= $max_points AND num_workers = 1) AS downsampled,
+           NOT (num_iterations <= $max_points AND num_workers = 1) AND t_end - t0 >= $max_points AS rolled
+    FROM (SELECT sum(iterations) AS num_iterations, count(DISTINCT worker_id) AS num_workers,
+                 min(first_ts) AS t0, max(last_end) AS t_end, floor(min(first_ts)) AS b0
+          FROM r) WHERE num_iterations > 0
+), per_worker AS (
+    SELECT floor((r.second - g.b0) / g.bucket_s)::BIGINT AS bucket, r.worker_id,
+           sum(r.iterations) AS iterations,
+           {", ".join(f"sum(r.sum_{c}) / sum(r.n_{c}) AS {c}" for c in ROLLUP_AVERAGED)},
+           {", ".join(f"sum(r.{c}) AS {c}" for c in ROLLUP_SUMMED)}
+    FROM r, grid AS g GROUP BY bucket, r.worker_id
+)
+SELECT any_value(g.b0) + bucket * any_value(g.bucket_s) AS ts, sum(iterations) AS iterations,
+       {", ".join(f"sum({c}) AS {c}" for c in (*ROLLUP_AVERAGED, *ROLLUP_SUMMED))},
+       any_value(g.num_iterations) AS num_iterations, any_value(g.num_workers) AS num_workers,
+       any_value(g.downsampled) AS downsampled, any_value(g.bucket_s) AS bucket_s,
+       any_value(g.t0) AS t0, any_value(g.t_end) AS t_end, any_value(g.rolled) AS rolled
+FROM per_worker, grid AS g GROUP BY bucket ORDER BY bucket
+"""
 
 # ---------------------------------------------------------------- a job's requests: rows or sample
 
@@ -329,7 +364,8 @@ FROM requests_live WHERE job_id = $job_id
 # jobs' files however many the data dir holds
 JOB_SCOPED = frozenset({
     JOB_SUMMARY, JOB_SUMMARY_SCAN, JOB_SHARDS_PAGE, JOB_SHARD_COUNTS, JOB_SHARD_WORKERS,
-    JOB_SAMPLE_SHARDS, JOB_OUTPUTS_SAMPLE, JOB_OUTPUTS_ALL, JOB_ITERATIONS, JOB_REQUEST_DIGESTS,
+    JOB_SAMPLE_SHARDS, JOB_OUTPUTS_SAMPLE, JOB_OUTPUTS_ALL, JOB_ITERATIONS, JOB_ITERATIONS_ROLLED,
+    JOB_REQUEST_DIGESTS,
     JOB_OUTSTANDING_AT, JOB_OUTPUT_RATE, JOB_LATENCY, JOB_PREEMPTIONS, JOB_PREEMPTIONS_SCAN,
     *JOB_OUTSTANDING_AT_SAMPLED.values(), *JOB_OUTPUT_RATE_SAMPLED.values(), *JOB_LATENCY_SAMPLED.values(),
 })

@@ -8,6 +8,7 @@ buckets. The browser therefore draws a few thousand points whatever the job's si
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from flask import current_app
@@ -67,8 +68,7 @@ def job_iterations(job_id: str) -> dict:
     Also `outstanding_requests`: the job's requests that had arrived at an engine and not finished,
     at each point -- request concurrency, drawn against running sequences.
     """
-    params = {"job_id": job_id, "max_points": current_app.config["MAX_POINTS"]}
-    series = fetch_columns(queries.JOB_ITERATIONS, params)
+    series = iteration_series(fetch_columns, job_id, current_app.config["MAX_POINTS"])
     extent = {name: series.pop(name, []) for name in queries.ITERATION_EXTENT_COLUMNS}
     out = {"job_id": job_id, "num_iterations": 0, "num_workers": 0, "downsampled": False, "bucket_s": None,
            "series": {}}
@@ -81,6 +81,21 @@ def job_iterations(job_id: str) -> dict:
     series["outstanding_requests"] = outstanding_at(job_id, series["ts"], source)
     out["series"], out["outstanding_sample"] = series, source.describe()
     return out
+
+
+def iteration_series(columns: Callable[[str, dict], dict[str, list]], job_id: str,
+                     max_points: int) -> dict[str, list]:
+    """The columns of the job's iteration chart, `columns(sql, params)` running its queries: from the
+    per-second rollups (`queries.JOB_ITERATIONS_ROLLED`) when its buckets are whole seconds, else from
+    the rows (`queries.JOB_ITERATIONS`, over the time window the rollups give)."""
+    params = {"job_id": job_id, "max_points": max_points}
+    rolled = columns(queries.JOB_ITERATIONS_ROLLED, params)
+    if not rolled.get("ts"):
+        return {}
+    t0, t_end, use = rolled.pop("t0")[0], rolled.pop("t_end")[0], rolled.pop("rolled")[0]
+    if use:
+        return rolled
+    return columns(queries.JOB_ITERATIONS, {**params, "t0": t0, "t_end": t_end})
 
 
 def outstanding_at(job_id: str, points: list[float], source: RequestSource | None = None) -> list[int]:

@@ -39,7 +39,8 @@ def _job(store: Store, job_id: str, t0: float) -> None:
     buf.close()
 
 
-PARAMS = {"limit": 20, "status": None, "offset": 0, "max_points": 50, "n": 10, "bins": 5, "lo": 0, "hi": 2}
+PARAMS = {"limit": 20, "status": None, "offset": 0, "max_points": 50, "n": 10, "bins": 5, "lo": 0, "hi": 2,
+          "t0": 0, "t_end": 1e12}
 
 
 @pytest.fixture(scope="module")
