@@ -6,6 +6,7 @@ on the same grid; a merge whose twin cannot be written changes nothing."""
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
 import random
@@ -87,13 +88,28 @@ def test_rollups_equal_those_of_the_rows_through_compaction_and_collection(tmp_p
     assert _diff(con, pinned=False)[1] == 0  # without a pinned listing: computed from the scan
 
 
-def test_a_compacted_file_not_counting_yet_leaves_the_raw_parts_rollups(tmp_path, monkeypatch):
-    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 3600.0)
+def _unnamed_outputs(store: Store) -> None:
+    """Tombstones as a batchgen before they named their output writes them: the merged inputs stay
+    listed beside the compacted file, and each part's rows are in two listed files."""
+    for tomb in store.layout.gc.glob("*.json"):
+        info = json.loads(tomb.read_text())
+        info.pop("output")
+        tomb.write_text(json.dumps(info))
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 3600.0])
+def test_a_part_in_two_listed_files_counts_once(tmp_path, monkeypatch, delay_s):
+    """From the compacted file once it counts (its twin), from the raw part until then (its rows)."""
+    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", delay_s)
     store, rng = Store(tmp_path, compact_as_written=False), random.Random(2)
     _write(store, rng, workers=2, steps=30)
     con = connect(tmp_path)
     before = _diff(con)
     compact_group(store.layout, "iterations", "w0")
+    _unnamed_outputs(store)
+    pin(con)
+    twins = con.execute(f"SELECT getvariable('{catalog.LISTING_VARIABLE}').iteration_twins").fetchone()[0]
+    assert len(twins) == 2  # the schema file and the compacted file's twin
     assert _twins(store) and _diff(con) == before and before[1] == 0
 
 
