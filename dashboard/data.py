@@ -204,7 +204,7 @@ class WorkerSummary:
     kv_blocks_used: int | None  # at its last iteration
     num_running: int | None  # running sequences at its last iteration
     num_waiting: int | None  # waiting requests at its last iteration
-    recent_decode_tokens_per_s: float  # over the last RECENT_WINDOW_S seconds
+    recent_decode_tokens_per_s: float  # over the whole seconds since floor(now) - RECENT_WINDOW_S
     recent_scheduled_tokens_per_s: float  # prefill + decode tokens, same window
     lifetime_decode_tokens_per_s: float | None  # first to last iteration
     preemptions: int  # sequences it preempted, over all its iterations

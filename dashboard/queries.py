@@ -19,6 +19,7 @@ from jobs.store import (
     JOB_SHARDS_CTES,
     LATENCY_METRICS,
     ROLLUP_AVERAGED,
+    ROLLUP_LATEST,
     ROLLUP_SUMMED,
     TIMED_OUTPUT,
     over_scans,
@@ -174,7 +175,7 @@ ITERATION_EXTENT_COLUMNS = ("num_iterations", "num_workers", "downsampled", "buc
 # job's iterations then come from few row groups of the compacted files, sorted by time).
 JOB_ITERATIONS_ROLLED = f"""
 WITH r AS MATERIALIZED (
-    SELECT * FROM _bg.iteration_seconds WHERE job_id = $job_id
+    SELECT * FROM _bg.iteration_seconds WHERE list_contains(job_ids, $job_id)
 ), grid AS (
     SELECT *, floor((t_end - b0) / $max_points) + 1 AS bucket_s,
            NOT (num_iterations <= $max_points AND num_workers = 1) AS downsampled,
@@ -377,20 +378,22 @@ def job_scope(sql: str, params) -> str | None:
 
 # ---------------------------------------------------------------- workers
 
-# Every worker seen in telemetry: its last iteration (the heartbeat), the limits in force then, and
-# its decode tokens over the last $window_s seconds before $now.
-WORKERS = """
-SELECT worker_id, count(*) AS iterations, max(ts + duration_s) AS last_seen_ts, min(ts) AS first_seen_ts,
-       arg_max(max_num_seqs, ts) AS max_num_seqs, arg_max(token_budget, ts) AS token_budget,
-       arg_max(kv_blocks_total, ts) AS kv_blocks_total, arg_max(kv_blocks_used, ts) AS kv_blocks_used,
-       arg_max(num_running, ts) AS num_running, arg_max(num_waiting, ts) AS num_waiting,
-       coalesce(sum(decode_tokens) FILTER (WHERE ts >= $now - $window_s), 0) / $window_s
-           AS recent_decode_tokens_per_s,
-       coalesce(sum(scheduled_tokens) FILTER (WHERE ts >= $now - $window_s), 0) / $window_s
-           AS recent_scheduled_tokens_per_s,
-       sum(decode_tokens) / greatest(max(ts + duration_s) - min(ts), 1e-9) AS lifetime_decode_tokens_per_s,
+# Every worker seen in telemetry: its last iteration (the heartbeat), the limits in force then, and its
+# decode tokens over the recent window: the whole seconds from floor($now) - $window_s on, per second
+# of that span (up to $now: $window_s plus the fraction of the current second). From the per-second
+# rollups of the iterations (`_bg.iteration_seconds`), whose values at each rollup's last iteration give
+# the worker's latest: one row per worker, second and part, not one per iteration.
+WORKERS = f"""
+SELECT worker_id, sum(iterations) AS iterations, max(last_end) AS last_seen_ts,
+       min(first_ts) AS first_seen_ts,
+       {", ".join(f"arg_max(last_{c}, last_ts) AS {c}" for c in ROLLUP_LATEST)},
+       coalesce(sum(sum_decode_tokens) FILTER (WHERE second >= floor($now) - $window_s), 0)
+           / ($now - floor($now) + $window_s) AS recent_decode_tokens_per_s,
+       coalesce(sum(sum_scheduled_tokens) FILTER (WHERE second >= floor($now) - $window_s), 0)
+           / ($now - floor($now) + $window_s) AS recent_scheduled_tokens_per_s,
+       sum(sum_decode_tokens) / greatest(max(last_end) - min(first_ts), 1e-9) AS lifetime_decode_tokens_per_s,
        sum(num_preempted) AS preemptions
-FROM iterations GROUP BY worker_id ORDER BY last_seen_ts DESC
+FROM _bg.iteration_seconds GROUP BY worker_id ORDER BY last_seen_ts DESC
 """
 
 # Shards a worker is running now, and the job (and its config) it ran most recently. The job's config

@@ -56,8 +56,8 @@ Public API:
 - request digests (`digests.py`): `LATENCY_METRICS`, `TIMED_OUTPUT` (the metrics' one definition),
   `DIGEST_LEVELS`, `sampled_rows_sql(level)`, `source_level(rows, undigested)`: what a large job's
   live figures read instead of every request row (`_bg.request_digests_live`).
-- per-second rollups of the iterations (`rollups.py`): `ROLLUP_AVERAGED`, `ROLLUP_SUMMED` (the columns
-  they keep), read through `_bg.iteration_seconds`: what a long job's iteration chart reads.
+- per-second rollups of the iterations (`rollups.py`): `ROLLUP_AVERAGED`, `ROLLUP_SUMMED`, `ROLLUP_LATEST`
+  (the columns they keep), read through `_bg.iteration_seconds`: what a long job's iteration chart reads.
 - maintenance: `compact`, `compact_job`, `compact_telemetry`, `collect_garbage` (`compact.py`).
 - layout: `DATA_DIR_ENV`, `DEFAULT_DATA_DIR`, `check_id`, `new_uid`, `write_atomic` (`layout.py`); schema
   constants `INTERNAL_PREFIX`, `OUTPUTS`, `LOGPROBS_TYPE` (`schemas.py`); worker heartbeats `WorkerRecord`,
@@ -103,6 +103,7 @@ from jobs.store.schemas import (
     LOGPROBS_TYPE,
     OUTPUTS,
     ROLLUP_AVERAGED,
+    ROLLUP_LATEST,
     ROLLUP_SUMMED,
     CommitRecord,
     JobRecord,
@@ -129,7 +130,8 @@ __all__ = [
     "CheckReport", "check_store", "missing_rows", "quarantine",
     "DIGEST_LEVELS", "LATENCY_METRICS", "TIMED_OUTPUT", "sampled_rows_sql", "source_level",
     "DATA_DIR_ENV", "DEFAULT_DATA_DIR", "INTERNAL_PREFIX", "JOB_SHARDS_CTES", "JOBS_SELECT", "LOGPROBS_TYPE",
-    "OUTPUTS", "QUERIES", "ROLLUP_AVERAGED", "ROLLUP_SUMMED", "README_EXAMPLES", "SCHEMA_VERSION",
+    "OUTPUTS", "QUERIES", "ROLLUP_AVERAGED", "ROLLUP_LATEST", "ROLLUP_SUMMED", "README_EXAMPLES",
+    "SCHEMA_VERSION",
     "CommitRecord", "JobRecord", "Layout",
     "QueryResult", "QueryTimeout", "ShardAttempt", "ShardEvent", "Store", "StoreError", "SweepRecord",
     "TelemetryBuffer",

@@ -22,6 +22,9 @@ Views (the contract users query; their building blocks are internal views in the
   `_bg.request_digests_live` picks the same attempts' request digests (`jobs.store.digests`): the
   live figures of a large job read those, one row per part, instead of every request row.
 - `iterations`, `sweeps`: every written row (not tied to shard attempts).
+  `_bg.iteration_seconds`: per-second rollups of the iterations (`jobs.store.rollups`), read from the
+  rollup twins of the listed compacted files and computed from the other files' rows, per part as
+  the scan chooses: the rollups of the `iterations` rows, exactly.
 
 How a view stays correct while writers and the compactor work. Nothing may depend on the order
 in which a query lists files: DuckDB's optimizer may scan one view's glob several times (it turns

@@ -8,10 +8,11 @@ renamed into place:
 
     store/rollups/iterations/<group>/<the compacted file's name>
 
-one row per (`_bg_part`, worker_id, job_id, second) of the file's rows (`rollup_select`): the
+one row per (`_bg_part`, worker_id, job_ids, second) of the file's rows (`rollup_select`): the
 iterations count, the first start and the last end, each averaged column's sum and count of non-null
-values (`sum_<column>`, `n_<column>`), and the preemptions. An iteration that served several jobs
-counts in each, as `list_contains(job_ids, ...)` counts it.
+values (`sum_<column>`, `n_<column>`), the preemptions, and the time and the values of the limits and
+the load at its last iteration (`last_ts`, `last_<column>`). Keyed by the iterations' list of jobs, as
+the rows are: a job's rollups are those whose `job_ids` contain it, and a worker's all of its own.
 
 Reading them (`catalog._rollup_scan_sql`, the view `_bg.iteration_seconds`): over a pinned listing,
 the twins of the listed compacted files are read, and the rollups of every other listed iterations
@@ -32,6 +33,7 @@ from pathlib import Path
 from jobs.store.layout import Layout
 from jobs.store.schemas import ROLLED_UP_KIND as KIND
 from jobs.store.schemas import ROLLUP_AVERAGED as AVERAGED
+from jobs.store.schemas import ROLLUP_LATEST as LATEST
 from jobs.store.schemas import ROLLUP_SUMMED as SUMMED
 
 ORPHAN_MAX_AGE_S = 3600.0  # a twin without its compacted file this long: a compactor died between renames
@@ -63,10 +65,11 @@ def rollup_select(source: str, keep: tuple[str, ...] = ()) -> str:
     its columns `keep`."""
     sums = ", ".join(f"sum({c})::DOUBLE AS sum_{c}, count({c}) AS n_{c}" for c in AVERAGED)
     summed = ", ".join(f"sum({c})::BIGINT AS {c}" for c in SUMMED)
-    keys = ", ".join((*keep, "_bg_part", "worker_id", "job_id", "second"))
+    latest = ", ".join(f"arg_max({c}, ts) AS last_{c}" for c in LATEST)
+    keys = ", ".join((*keep, "_bg_part", "worker_id", "job_ids", "second"))
     return f"""SELECT {keys}, count(*) AS iterations, min(ts) AS first_ts, max(ts + duration_s) AS last_end,
-       {sums}, {summed}
-FROM (SELECT *, floor(ts)::BIGINT AS second FROM {source}) AS it, unnest(it.job_ids) AS j(job_id)
+       {sums}, {summed}, max(ts) AS last_ts, {latest}
+FROM (SELECT *, floor(ts)::BIGINT AS second FROM {source})
 GROUP BY {keys}"""
 
 

@@ -238,11 +238,14 @@ ROLLUP_AVERAGED = ("num_running", "num_waiting", "num_scheduled_seqs", "prefill_
                    "scheduled_tokens", "token_budget", "max_num_seqs", "kv_blocks_used", "kv_blocks_total",
                    "num_constrained_seqs", "mask_fill_s")
 ROLLUP_SUMMED = ("num_preempted",)
+# kept as their value at the rollup's last iteration (`last_<column>`, at `last_ts`): a worker's latest
+ROLLUP_LATEST = ("max_num_seqs", "token_budget", "kv_blocks_total", "kv_blocks_used", "num_running",
+                 "num_waiting")
 ROLLUPS = _schema(
-    (PART_COLUMN, STR), ("worker_id", STR), ("job_id", STR), ("second", I64), ("iterations", I64),
+    (PART_COLUMN, STR), ("worker_id", STR), ("job_ids", pa.list_(STR)), ("second", I64), ("iterations", I64),
     ("first_ts", F64), ("last_end", F64),
     *[(f"{prefix}_{c}", typ) for c in ROLLUP_AVERAGED for prefix, typ in (("sum", F64), ("n", I64))],
-    *[(c, I64) for c in ROLLUP_SUMMED],
+    *[(c, I64) for c in ROLLUP_SUMMED], ("last_ts", F64), *[(f"last_{c}", I64) for c in ROLLUP_LATEST],
 )
 # kinds whose parts belong to one job (grouped by job_id on disk, compacted per finished job)
 JOB_KINDS = ("job_records", "job_events", "shard_events", "commits", "outputs", "requests", "request_digests")

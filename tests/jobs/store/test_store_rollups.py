@@ -254,3 +254,33 @@ def test_a_corrupt_twin_is_named_and_moved_aside_by_the_check(tmp_path, no_delay
     quarantine(tmp_path, report.bad)
     assert not twin.exists() and check_store(tmp_path).healthy
     assert _diff(connect(tmp_path))[1] == 0  # the compacted file's rollups computed from its rows
+
+
+def test_the_workers_from_rollups_equal_the_rows(tmp_path, no_delays):
+    """Each worker's totals, its latest limits and load, and its decode rate over the whole seconds of
+    the recent window, as the iteration rows give them."""
+    store, rng = Store(tmp_path, compact_as_written=False), random.Random(10)
+    _write(store, rng, workers=3, steps=120)
+    compact_group(store.layout, "iterations", "w2", grace_s=0.0)
+    con = connect(tmp_path)
+    run = _columns(con)
+    now, window = 1030.25, 10.0
+    got = run(q.WORKERS, {"now": now, "window_s": window})
+    want = run("""
+        SELECT worker_id, count(*) AS iterations, max(ts + duration_s) AS last_seen_ts,
+               min(ts) AS first_seen_ts,
+               arg_max(max_num_seqs, ts) AS max_num_seqs, arg_max(token_budget, ts) AS token_budget,
+               arg_max(kv_blocks_total, ts) AS kv_blocks_total, arg_max(kv_blocks_used, ts) AS kv_blocks_used,
+               arg_max(num_running, ts) AS num_running, arg_max(num_waiting, ts) AS num_waiting,
+               coalesce(sum(decode_tokens) FILTER (WHERE ts >= 1020), 0) / 10.25
+                   AS recent_decode_tokens_per_s,
+               coalesce(sum(scheduled_tokens) FILTER (WHERE ts >= 1020), 0) / 10.25
+                   AS recent_scheduled_tokens_per_s,
+               sum(decode_tokens) / (max(ts + duration_s) - min(ts)) AS lifetime_decode_tokens_per_s,
+               sum(num_preempted) AS preemptions
+        FROM iterations GROUP BY worker_id ORDER BY last_seen_ts DESC""", {})
+    assert list(got) == list(want) and got["worker_id"] == want["worker_id"] and len(got["worker_id"]) == 3
+    for col in got:
+        if col != "worker_id":
+            assert _close(got[col], want[col]), col
+    assert 0 < min(got["recent_decode_tokens_per_s"])  # the window holds iterations of every worker
