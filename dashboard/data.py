@@ -23,7 +23,7 @@ SHARDS_PER_PAGE = 100  # shards a job page (and /api/jobs/<id>) lists at a time
 MAX_SHARDS_PER_PAGE = 1000  # the most /api/jobs/<id>/shards gives in one page
 SHARD_STATUSES = ("failed", "running", "queued", "cancelled", "completed")  # the order counts are shown in
 MAX_WORKERS = 1000  # workers listed in a job's configuration table
-RECENT_WINDOW_S = 60.0  # "recent" tokens/s of a worker: over this window before now
+RECENT_WINDOW_S = 60.0  # "recent" tokens/s of a worker: over the whole seconds since floor(now) - this
 HEARTBEAT_STALE_S = 30.0  # a worker with no record whose last iteration is older than this is gone
 BUSY_WITHIN_S = 10.0  # a live worker holding no shard at its heartbeat but iterating this recently: running
 
