@@ -445,13 +445,13 @@ WITH w AS MATERIALIZED (
 # 'completed' whatever its events say, so the shard event aggregate runs over the other shards' events
 # only: a running 10M-request job's last few percent (39,063 shards, 95% committed: the aggregate's
 # operators about 30 -> 4 ms)
-_UNCOMMITTED_SHARDS_CTES = """ue AS (
+_UNCOMMITTED_SHARDS_CTES = f"""ue AS (
     SELECT * FROM ev ANTI JOIN w USING (job_id, shard_id)
-), a AS MATERIALIZED ({event_agg}), keys AS (
+), a AS MATERIALIZED ({_SHARD_EVENT_AGG_OVER.format(events="ue")}), keys AS (
     SELECT * FROM (SELECT job_id, shard_id FROM a
                    UNION SELECT job_id, unnest(range(num_shards)) AS shard_id FROM _bg.job_records)
     ANTI JOIN w USING (job_id, shard_id)
-)""".replace("{event_agg}", _SHARD_EVENT_AGG_OVER.format(events="ue"))
+)"""
 
 
 _JOB_SHARDS = """
@@ -563,6 +563,8 @@ def jobs_over(shards: str | None = None, *, job_shards: str | None = None) -> st
     as the view does: `batchgen status JOB` reads the job's shards once for both). It reads the job
     records and cancels as the view does. `job_shards`: a SELECT of `_JOB_SHARDS`' columns instead
     (after `JOB_SHARDS_CTES`: `SELECT * FROM job_shards`)."""
+    if (shards is None) == (job_shards is None):
+        raise ValueError("jobs_over takes one of `shards` (a relation) or `job_shards` (a SELECT)")
     return _JOBS.format(job_shards=f"({job_shards or _JOB_SHARDS.format(shards=shards)})")
 
 

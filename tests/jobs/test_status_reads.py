@@ -147,3 +147,10 @@ def test_status_of_one_job_counts_and_lists_as_from_every_shard(two_jobs):
                 == {k: v for k, v in every.items() if k not in ("shards", "all_shards")})
         assert listed["shards"] == [s for s in every["shards"] if s["status"] in LISTED_STATES]
         assert every["shard_counts"]["completed"] == 1
+
+
+def test_jobs_over_takes_one_relation_or_one_select():
+    with pytest.raises(ValueError, match="one of"):
+        jobs_over()
+    with pytest.raises(ValueError, match="one of"):
+        jobs_over("shards", job_shards="SELECT * FROM job_shards")
