@@ -214,11 +214,14 @@ SELECT * FROM ({one_listing}) WHERE NOT {_PINNED}
 """
 
 
-def _ranked_scan_sql(files: str, filtered: str) -> str:
+def _ranked_scan_sql(files: str, filtered: str, rows: str | None = None) -> str:
     """The one-listing form's rows, over a list of files known in advance (a pinned listing): the facts
     of each file come from the list (`f`), the rows join them by file name and carry the file's rank
     among the names (`_bg_fi`), so the choice per part is `_pick_sql`'s over ranks. A row whose file is
-    not in the list fails the query (it would otherwise be dropped unseen)."""
+    not in the list fails the query (it would otherwise be dropped unseen). `rows`: a relation with
+    `_bg_file` and `_bg_part` to choose from instead of the files' rows (the rollups: `_rollup_scan_sql`)."""
+    rows = rows or (f"read_parquet({files}, union_by_name = true, hive_partitioning = false, "
+                    "filename = '_bg_file')")
     return f"""
 WITH f AS MATERIALIZED (
     SELECT _bg_file, row_number() OVER (ORDER BY _bg_file) AS _bg_fi, _bg_compacted,
@@ -230,8 +233,7 @@ WITH f AS MATERIALIZED (
            coalesce(f._bg_fi, error('a part file outside the pinned listing: ' || r._bg_file)::BIGINT)
                AS _bg_fi,
            f._bg_compacted, f._bg_active
-    FROM read_parquet({files}, union_by_name = true, hive_partitioning = false,
-                      filename = '_bg_file') AS r LEFT JOIN f ON f._bg_file = r._bg_file{filtered}
+    FROM {rows} AS r LEFT JOIN f ON f._bg_file = r._bg_file{filtered}
 ), pick AS (
     {_pick_sql(True, "s", file="_bg_fi", active="_bg_active")}
 )
@@ -260,29 +262,15 @@ def _rollup_scan_sql(layout: Layout, relative_to: Path | None = None) -> str:
     files = f"CASE WHEN {_PINNED} THEN {listing}.{rollups.KIND} ELSE []::VARCHAR[] END"
     read = "union_by_name = true, hive_partitioning = false"
     untwinned_rows = f"read_parquet({untwinned}, {read}, filename = '_bg_file')"
-    return f"""
-WITH f AS MATERIALIZED (
-    SELECT _bg_file, row_number() OVER (ORDER BY _bg_file) AS _bg_fi, _bg_compacted,
-           _bg_compacted AND {_active_sql(True, "_bg_named_at")} AS _bg_active
-    FROM (SELECT DISTINCT _bg_file, {_COMPACTED} AS _bg_compacted, {_NAMED_AT} AS _bg_named_at
-          FROM unnest({files}) AS u(_bg_file))
-), s AS MATERIALIZED (
-    SELECT r.* EXCLUDE (_bg_file),
-           coalesce(f._bg_fi, error('rollups of a file outside the pinned listing: ' || r._bg_file)::BIGINT)
-               AS _bg_fi,
-           f._bg_compacted, f._bg_active
-    FROM (
+    rows = f"""(
         SELECT * EXCLUDE (_bg_twin),
                {_q(compacted_prefix)} || substr(_bg_twin, {len(twin_prefix) + 1}) AS _bg_file
         FROM read_parquet({twins}, {read}, filename = '_bg_twin')
         UNION ALL BY NAME
         {rollups.rollup_select(untwinned_rows, keep=("_bg_file",))}
-    ) AS r LEFT JOIN f ON f._bg_file = r._bg_file
-), pick AS (
-    {_pick_sql(True, "s", file="_bg_fi", active="_bg_active")}
-)
-SELECT s.* EXCLUDE (_bg_fi, _bg_compacted, _bg_active) FROM s LEFT JOIN pick AS a ON a._bg_part = s._bg_part
-WHERE ({_chosen("s", file="_bg_fi")}) AND {_PINNED}
+    )"""
+    return f"""
+SELECT * FROM ({_ranked_scan_sql(files, "", rows)}) WHERE {_PINNED}
 UNION ALL BY NAME
 SELECT * FROM ({computed}) WHERE NOT {_PINNED}
 """

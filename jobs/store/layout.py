@@ -196,17 +196,15 @@ def _write_version(layout: Layout) -> None:
 
 
 def _write_schema_files(layout: Layout) -> None:
-    """A zero-row file per kind keeps its glob non-empty and fixes the base column types."""
-    for kind, schema in KIND_SCHEMAS.items():
-        path = layout.kind_dir(kind) / "_schema.parquet"
+    """A zero-row file per kind keeps its glob non-empty and fixes the base column types; one for the
+    rollup twins keeps their list in a listing non-empty (jobs.store.rollups)."""
+    files = [(layout.kind_dir(kind) / "_schema.parquet", schema) for kind, schema in KIND_SCHEMAS.items()]
+    files.append((layout.rollup_dir(ROLLED_UP_KIND) / "_schema.parquet", ROLLUPS))
+    for path, schema in files:
         found = _schema_of(path) if path.exists() else None
         if found is not None and found.equals(schema, check_metadata=False):
             continue
         write_table_atomic(schema.empty_table(), path, layout.tmp)
-    path = layout.rollup_dir(ROLLED_UP_KIND) / "_schema.parquet"  # the twins' list is never empty
-    found = _schema_of(path) if path.exists() else None
-    if found is None or not found.equals(ROLLUPS, check_metadata=False):
-        write_table_atomic(ROLLUPS.empty_table(), path, layout.tmp)
 
 
 def _schema_of(path: Path) -> pa.Schema | None:
