@@ -65,6 +65,17 @@ def _twins(store: Store) -> list[str]:
     return sorted(p.name for p in rollups.rollup_dir(store.layout).glob("*/*.parquet"))
 
 
+def _all_compacted(tmp_path, seed: int, workers: int, steps: int) -> Store:
+    """A store of `workers` workers' iterations, each worker's merged into one compacted file, the
+    inputs collected."""
+    store = Store(tmp_path, compact_as_written=False)
+    _write(store, random.Random(seed), workers=workers, steps=steps)
+    for w in range(workers):
+        compact_group(store.layout, "iterations", f"w{w}", grace_s=0.0)
+    collect_garbage(tmp_path, grace_s=0.0)
+    return store
+
+
 def _compacted(store: Store) -> list[str]:
     return sorted(p.name for p in store.layout.kind_dir("iterations").glob("compacted/*/*.parquet"))
 
@@ -115,11 +126,7 @@ def test_a_part_in_two_listed_files_counts_once(tmp_path, monkeypatch, delay_s):
 
 def test_a_compacted_file_without_its_twin_is_rolled_up_from_its_rows(tmp_path, no_delays):
     """Written by a batchgen before the rollups, or renamed in after the listing read the twins."""
-    store, rng = Store(tmp_path, compact_as_written=False), random.Random(3)
-    _write(store, rng, workers=2, steps=40)
-    for w in range(2):
-        compact_group(store.layout, "iterations", f"w{w}", grace_s=0.0)
-    collect_garbage(tmp_path, grace_s=0.0)
+    store = _all_compacted(tmp_path, 3, workers=2, steps=40)
     con = connect(tmp_path)
     with_twins = _diff(con)
     (rollups.rollup_dir(store.layout) / "w1").rename(tmp_path / "w1-twins")
@@ -146,11 +153,7 @@ def test_a_twin_is_what_the_views_read_for_its_file(tmp_path, no_delays):
 
 
 def test_orphaned_twins_are_collected_and_others_kept(tmp_path, no_delays, monkeypatch):
-    store, rng = Store(tmp_path, compact_as_written=False), random.Random(6)
-    _write(store, rng, workers=2, steps=30)
-    for w in range(2):
-        compact_group(store.layout, "iterations", f"w{w}", grace_s=0.0)
-    collect_garbage(tmp_path, grace_s=0.0)
+    store = _all_compacted(tmp_path, 6, workers=2, steps=30)
     (gone,) = store.layout.compacted_dir("iterations", "w1").glob("*.parquet")
     gone.unlink()  # as a compactor of an older batchgen leaves it: the file merged, its twin not deleted
     assert len(_twins(store)) == 2
@@ -237,11 +240,7 @@ def test_a_short_job_is_drawn_from_its_rows_as_before(tmp_path, no_delays):
 
 
 def test_a_corrupt_twin_is_named_and_moved_aside_by_the_check(tmp_path, no_delays):
-    store, rng = Store(tmp_path, compact_as_written=False), random.Random(9)
-    _write(store, rng, workers=2, steps=30)
-    for w in range(2):
-        compact_group(store.layout, "iterations", f"w{w}", grace_s=0.0)
-    collect_garbage(tmp_path, grace_s=0.0)
+    store = _all_compacted(tmp_path, 9, workers=2, steps=30)
     (twin,) = rollups.rollup_dir(store.layout).glob("w1/*.parquet")
     twin.write_bytes(twin.read_bytes()[:40])
     con = connect(tmp_path)
