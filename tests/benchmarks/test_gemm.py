@@ -18,6 +18,24 @@ def test_gemm_peak_counts_the_paths_the_engine_runs():
     assert set(peaks) == want and min(peaks.values()) > 0
 
 
+def test_a_path_far_too_slow_for_the_peak_is_timed_from_one_call(monkeypatch):
+    """torch.mm in bf16 on a CPU without native bf16 runs at ~2 GFLOP/s: one call of its first shape
+    gives its rate, and its other shapes are not run (they held a bf16 bench for minutes)."""
+    import time
+
+    calls = []
+
+    def slow_mm(a, b):
+        calls.append(a.shape)
+        time.sleep(0.05)
+        return a.new_empty(a.shape[0], b.shape[1])
+
+    monkeypatch.setattr(torch, "mm", slow_mm)
+    peaks = measure_gemm_peaks("float32", "cpu", seconds=0.01)
+    assert calls == [torch.Size([1024, 1024])]
+    assert 0 < peaks["torch.mm"] <= 2 * 1024 ** 3 / 0.05
+
+
 def test_the_gemm_comparison_script_measures_every_path(capsys, monkeypatch):
     rates = {"F.linear": 1e9, "oneDNN packed": 2e9, "panels": 3e9}
     monkeypatch.setattr(gemm, "flops_per_s", lambda m, k, n, path, seconds=0.3, dtype=None, cpu_time=False:

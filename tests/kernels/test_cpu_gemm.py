@@ -116,6 +116,43 @@ def test_gate_up_panels_give_silu_and_mul_in_the_epilogue(rows, dtype, cpu_varia
     torch.testing.assert_close(got, ops.silu_and_mul(F.linear(x, w)), atol=atol * 4, rtol=rtol * 4)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_avx2_bf16_panels_give_the_fp32_kernels_sums_exactly(threads):
+    """On AVX2 a bf16 product is the fp32 kernel's over the widened values, rounded once (the tiles
+    widen each pair of k in registers and add k, then k + 1, as the fp32 tiles do): with a residual,
+    the SiLU epilogue and fp32 logits, one tile and many, K past the tiles' 512-k blocks and not a
+    multiple of 8, a partial last panel."""
+    try:
+        cpu_native.use("avx2")
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(11)
+        k, n = 1100, 155
+        w = (torch.randn(192, k, generator=gen) * 0.1).bfloat16()
+        panels, panels32 = cpu_gemm.pack_panels(w), cpu_gemm.pack_panels(w.float())
+        gate_up, gate_up32 = cpu_gemm.pack_gate_up(w[:128]), cpu_gemm.pack_gate_up(w[:128].float())
+        for rows in (1, 6, 7, 12, 13, 40, 64):
+            x = torch.randn(rows, k, generator=gen).bfloat16()
+            res = torch.randn(rows, n, generator=gen).bfloat16()
+            cases = [
+                (dict(n=n), dict(n=n)),
+                (dict(n=n, residual=res), dict(n=n, residual=res.float())),
+                (dict(n=n, out_dtype=torch.float32), dict(n=n)),
+            ]
+            for kw, kw32 in cases:
+                got = cpu_gemm.linear_panels(x, panels, **kw)
+                want = cpu_gemm.linear_panels(x.float(), panels32, **kw32).to(got.dtype)
+                assert torch.equal(got, want), (rows, sorted(kw))
+            got = cpu_gemm.linear_panels(x, gate_up, silu=True)
+            assert torch.equal(got, cpu_gemm.linear_panels(x.float(), gate_up32, silu=True).bfloat16()), rows
+    finally:
+        torch.set_num_threads(before)
+        cpu_native.use(None)
+
+
 @pytest.mark.parametrize("inter", [96, 128])
 def test_a_gate_up_layer_the_pairs_do_not_fit_keeps_its_plain_panels_unfused(inter, cpu_variant):
     """2I = 192 is a multiple of a panel (64) but not of a pair of panels: packed as plain panels, the
