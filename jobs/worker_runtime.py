@@ -115,6 +115,11 @@ class WorkerRuntime:
             if flush:
                 self._telemetry(self.telemetry.flush)
 
+    def flush_telemetry(self) -> None:
+        """Write every iteration row the engine has made so far, now (thread-safe: under the same lock
+        as the engine's idle flush and the housekeeping thread's writes)."""
+        self._write_telemetry(flush=True)
+
     def _on_request(self, out: RequestOutput) -> None:
         if self.metrics is not None:
             self.metrics.on_request(out.metrics, out.finish_reason)

@@ -453,19 +453,26 @@ class TelemetryBuffer:
         self.rows_dropped = 0  # the oldest rows given up while writes kept failing (a full disk)
 
     def append(self, stats: IterationStats | Mapping) -> None:
-        row = stats.as_row() if isinstance(stats, IterationStats) else dict(stats)
-        if not row.get("worker_id"):
-            row["worker_id"] = self.worker_id
-        self._rows.append(row)
-        if len(self._rows) >= HELD_ROWS_FACTOR * self.max_rows:  # flushes keep failing: keep the newest
-            self.rows_dropped += len(self._rows) - self.max_rows
-            del self._rows[: len(self._rows) - self.max_rows]
-        if len(self._rows) >= self.max_rows or time.monotonic() - self._last_flush >= self.flush_interval_s:
-            self.flush()
+        self.extend((stats,))
 
     def extend(self, stats: Iterable[IterationStats | Mapping]) -> None:
+        """Buffer every row of `stats`, then write a part if one is due. Every row is buffered before
+        the write: a write that fails (a full disk) keeps them all, not only those before it."""
         for item in stats:
-            self.append(item)
+            row = item.as_row() if isinstance(item, IterationStats) else dict(item)
+            if not row.get("worker_id"):
+                row["worker_id"] = self.worker_id
+            self._rows.append(row)
+        if not self._rows:
+            return
+        due = time.monotonic() - self._last_flush >= self.flush_interval_s
+        try:
+            if due or len(self._rows) >= self.max_rows:
+                self.flush()
+        finally:
+            if len(self._rows) >= HELD_ROWS_FACTOR * self.max_rows:  # writes keep failing: keep the newest
+                self.rows_dropped += len(self._rows) - self.max_rows
+                del self._rows[: len(self._rows) - self.max_rows]
 
     def flush(self) -> str | None:
         """Write the buffered rows as one part now; the part's name, or None when empty."""
