@@ -227,12 +227,14 @@ def test_the_engine_thread_never_writes_telemetry_while_it_has_work(runtime, mon
     thread (or when the engine idles): a part's write never takes an engine step's time."""
     writes = []
     engine = runtime.loop.engine
-    for name in ("append", "flush"):
+    for name in ("extend", "flush"):
         real = getattr(runtime.telemetry, name)
 
         def recorded(*args, _real=real, _name=name):
-            writes.append((_name, threading.current_thread().name, engine.has_unfinished_requests()))
-            return _real(*args)
+            rows = list(args[0]) if _name == "extend" else []
+            busy = engine.has_unfinished_requests()
+            writes.append((_name, threading.current_thread().name, busy, len(rows)))
+            return _real(rows) if _name == "extend" else _real(*args)
 
         monkeypatch.setattr(runtime.telemetry, name, recorded)
     p = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -241,4 +243,4 @@ def test_the_engine_thread_never_writes_telemetry_while_it_has_work(runtime, mon
     assert run.done.wait(60)
     wait_for(lambda: any(w[0] == "flush" and w[1] == "engine-loop" for w in writes), 10, "the idle flush")
     assert [w for w in writes if w[1] == "engine-loop" and w[2]] == []
-    assert sum(w[0] == "append" for w in writes) >= 30  # every step's row was written, off the steps
+    assert sum(w[3] for w in writes if w[0] == "extend") >= 30  # every step's row was written, off the steps
