@@ -18,6 +18,11 @@ where vdpbf16ps gave ~0.2; 30 layers' projections streamed from DRAM at 64 rows 
 ms); where this build cannot use them, bf16 stays with oneDNN, which can. KernelOptions(amx=False)
 (kernels/options.py) keeps the vdpbf16ps kernel.
 
+fp32 panels have two layouts: rows of 64 columns a k for the AVX-512 tiles, and strips of 16 columns,
+each contiguous over K, for the AVX2 ones (a strip's pass reads its weights in order; on a Zen 3 a
+decode step's projections took 0.70x the time of the rows). pack_panels packs for the library
+loaded, and a product refuses panels of the other layout (`panels_fit`) instead of reading them wrong.
+
 At a prefill's row counts (4096 and more) a plain product goes through torch.mm on the panels
 unpacked for the call where that is faster on the CPU (`unpack_rows`: bf16 on AMX, fp32 on Intel;
 `prefill_unpack=False` keeps the panels). `argmax_panels` gives a greedy step its tokens
@@ -99,22 +104,58 @@ def amx_in_use() -> bool:
     return cpu_native.amx()
 
 
+STRIP = 16  # columns a strip of an fp32 panel in the AVX2 layout (a pair of ymm)
+
+
+def f32_strips() -> bool:
+    """Whether the loaded library reads fp32 panels as strips, (N/64, 4, K, 16): its AVX2 tiles,
+    which run each 16 columns' pass over K in order (csrc/gemm.c); the AVX-512 tiles read rows of
+    64, (N/64, K, 64)."""
+    return bool(cpu_native.features() & cpu_native.FEATURE_AVX2)
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight (N, K) -> the panel kernel's layout: fp32 (N/64, K, 64), bf16 (N/64, K/2, 64, 2)."""
+    """weight (N, K) -> the panel kernel's layout: bf16 (N/64, K/2, 64, 2); fp32 (N/64, K, 64), or
+    (N/64, 4, K, 16) where the loaded library reads strips (f32_strips())."""
     n, k = weight.shape
     w = weight.detach()
     if weight.dtype == torch.bfloat16:
         return w.reshape(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    if f32_strips():
+        return w.reshape(n // PANEL, PANEL // STRIP, STRIP, k).transpose(2, 3).contiguous()
     return w.reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
 
 
 def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
     """pack_panels' inverse: (N, K)."""
+    p, k = panels.shape[0], panel_k(panels)
+    if panels.dtype == torch.bfloat16:
+        return panels.permute(0, 2, 1, 3).reshape(p * PANEL, k)
     if panels.dim() == 4:
-        p, pairs, _, _ = panels.shape
-        return panels.permute(0, 2, 1, 3).reshape(p * PANEL, pairs * 2)
-    p, k, _ = panels.shape
+        return panels.transpose(2, 3).reshape(p * PANEL, k)
     return panels.permute(0, 2, 1).reshape(p * PANEL, k)
+
+
+def panel_k(panels: torch.Tensor) -> int:
+    """K of a weight packed by pack_panels / pack_gate_up (bf16 panels hold pairs of k)."""
+    if panels.dtype == torch.bfloat16:
+        return panels.shape[1] * 2
+    return panels.shape[2] if panels.dim() == 4 else panels.shape[1]
+
+
+def panels_fit(panels: torch.Tensor) -> bool:
+    """Whether the loaded library reads panels of this layout: fp32 ones packed as strips where it
+    reads rows of 64 (or the other way round: cpu_native.use() changed the variant after packing)
+    do not, and would give wrong products."""
+    return panels.dtype != torch.float32 or (panels.dim() == 4) == f32_strips()
+
+
+def _check_fit(panels: torch.Tensor, who: str) -> None:
+    if not panels_fit(panels):
+        have = "strips (N/64, 4, K, 16)" if panels.dim() == 4 else "rows (N/64, K, 64)"
+        want = "strips" if f32_strips() else "rows of 64"
+        raise ValueError(f"{who}: fp32 panels packed as {have}, while the loaded {cpu_native.variant()} "
+                         f"kernels read {want}: pack the weight again under this variant")
 
 
 GATE_UP = "batchgen_gate_up"  # an nn.Linear with this attribute true holds [gate | up] rows (2I, K)
@@ -205,7 +246,8 @@ def linear_panels(x: torch.Tensor, panels: torch.Tensor, residual: torch.Tensor 
     float32 for bf16 x: the fp32 accumulators written as they are (the logits)."""
     t, k = x.shape
     n = panels.shape[0] * (PANEL // 2 if silu else PANEL) if n is None else n
-    ksize = panels.shape[1] * (2 if panels.dim() == 4 else 1)
+    ksize = panel_k(panels)
+    _check_fit(panels, "linear_panels")
     if k != ksize or x.dtype != panels.dtype or x.stride(-1) != 1:
         raise ValueError(f"linear_panels: x {tuple(x.shape)} {x.dtype} does not fit panels of K={ksize} "
                          f"{panels.dtype} (rows of x must be contiguous)")
@@ -250,7 +292,8 @@ def argmax_panels(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor | None:
     if not options.current().fused_argmax or not is_panels(panels) or panels.dim() not in (3, 4):
         return None
     t, k = x.shape
-    ksize = panels.shape[1] * (2 if panels.dim() == 4 else 1)
+    ksize = panel_k(panels)
+    _check_fit(panels, "argmax_panels")
     if k != ksize or x.dtype != panels.dtype or x.stride(-1) != 1 or t == 0:
         raise ValueError(f"argmax_panels: x {tuple(x.shape)} {x.dtype} does not fit panels of K={ksize} "
                          f"{panels.dtype} (rows of x must be contiguous)")

@@ -78,6 +78,7 @@ _tried = False
 _why_not = ""
 _wanted: str | None = None  # use()'s variant; None: choose()
 _variant = ""  # the loaded library's variant
+_features = 0  # ... and its cpu_kernels_features(), read once (cpu_gemm asks for every product)
 _opened: dict[str, ctypes.CDLL] = {}  # .so path -> its handle (a variant switched back to is not reopened)
 
 
@@ -112,8 +113,10 @@ def cflags(variant: str) -> list[str]:
 
 def use(variant: str | None) -> None:
     """Run the kernels of this variant from now on (None: choose()'s); a ValueError naming the CPU
-    flags it lacks where this CPU cannot execute it (its instructions would fault). Kernels already
-    packed stay valid: every variant reads the same panels."""
+    flags it lacks where this CPU cannot execute it (its instructions would fault). Weights already
+    packed stay valid where the layout is the same: bf16 panels are, fp32 panels are strips for the
+    avx2 variant and rows for the others (kernels/cpu_gemm.py pack_panels); fp32 panels of the other
+    layout are refused by name, never read wrong."""
     global _wanted, _lib, _tried, _why_not
     if variant is not None and variant != NATIVE:
         if variant not in VARIANTS:
@@ -294,7 +297,7 @@ def bind(lib: ctypes.CDLL) -> None:
 
 def load() -> ctypes.CDLL | None:
     """The compiled library, building it on first use; None (once logged) when unavailable."""
-    global _lib, _tried, _why_not, _variant, _stream_default
+    global _lib, _tried, _why_not, _variant, _stream_default, _features
     if _tried:
         return _lib
     _tried = True
@@ -309,7 +312,7 @@ def load() -> ctypes.CDLL | None:
         else:
             bind(lib)
             _stream_default = lib.batchgen_attention_stream(-1)
-            _lib, _variant = lib, chosen
+            _lib, _variant, _features = lib, chosen, lib.cpu_kernels_features()
             apply_options()  # AMX off from the start, not only once amx() is asked
     if _lib is None:
         log.warning("native CPU kernels unavailable, using the torch path: %s", _why_not)
@@ -350,8 +353,7 @@ def amx() -> bool:
 
 def features() -> int:
     """What the loaded library was built to use (FEATURE_* bits); 0 when it is unavailable."""
-    lib = load()
-    return lib.cpu_kernels_features() if lib is not None else 0
+    return _features if load() is not None else 0
 
 
 def why_unavailable() -> str:

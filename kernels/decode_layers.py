@@ -97,15 +97,17 @@ class DecodeLayers:
         for i, layer in enumerate(self.model.layers):
             qkv, o, gate_up, down, ln_in, ln_post, k_cache, v_cache = tensors[8 * i:8 * i + 8]
             mlp = layer.mlp
-            if not all(cpu_gemm.is_panels(w) and w.dtype == dtype for w in (qkv, o, gate_up, down)):
+            if not all(cpu_gemm.is_panels(w) and w.dtype == dtype and cpu_gemm.panels_fit(w)
+                       for w in (qkv, o, gate_up, down)):
                 return False
             if not cpu_gemm.gate_up_panels(mlp.gate_up_proj):
                 return False
             qkv_n = qkv.shape[0] * cpu_gemm.PANEL
             inter = gate_up.shape[0] * (cpu_gemm.PANEL // 2)
+            ks = [cpu_gemm.panel_k(w) for w in (qkv, o, gate_up, down)]
             if (qkv_n != q_size + 2 * kv_size or o.shape[0] * cpu_gemm.PANEL != args.dim
-                    or down.shape[0] * cpu_gemm.PANEL != args.dim or _panel_k(qkv) != args.dim
-                    or _panel_k(o) != q_size or _panel_k(gate_up) != args.dim or _panel_k(down) != inter):
+                    or down.shape[0] * cpu_gemm.PANEL != args.dim
+                    or ks != [args.dim, q_size, args.dim, inter]):
                 return False
             for t in (ln_in, ln_post):
                 if t.dtype != dtype or not t.is_contiguous() or t.numel() != args.dim:
@@ -184,8 +186,3 @@ class DecodeLayers:
                       ERRORS.get(self.last_error % 8, self.last_error % 8))
             return None
         return ws["x"][:rows], ws["res"][:rows]
-
-
-def _panel_k(panels: torch.Tensor) -> int:
-    """K of a weight packed by cpu_gemm.pack_panels / pack_gate_up (bf16 panels hold pairs of k)."""
-    return panels.shape[1] * (2 if panels.dim() == 4 else 1)

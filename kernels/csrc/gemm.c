@@ -1,6 +1,7 @@
 /* The projections' GEMM on AVX-512 (and, further down, AVX2): out (M, N) = x (M, K) @ W.T (+ residual), with W (N, K) packed
  * once (kernels/cpu_gemm.py) into panels of GEMM_NR = 64 output columns:
- *   fp32  [N / 64][K][64]         one k of a panel is 4 zmm of weights
+ *   fp32  [N / 64][K][64]         one k of a panel is 4 zmm of weights (AVX-512: "rows")
+ *   fp32  [N / 64][4][K][16]      the AVX2 build's: four strips of 16 columns, each contiguous over K
  *   bf16  [N / 64][K / 2][64][2]  pairs (k, k + 1) of a column side by side, as vdpbf16ps takes them
  * (N a multiple of 64: the packer takes no other; a caller's n may stop short of the last panel's
  * end, and the stores are masked there). A tile of up to GEMM_MR = 6 rows by 64 columns keeps its
@@ -149,12 +150,10 @@ ALWAYS_INLINE void gemm_tile_bf16(const int mr, const uint16_t *x, int64_t xs, c
  * 1.04-1.11x fp32's (the widening's ALU work; the weights' halved bytes do not matter at that rate),
  * a whole generate() 0.965x fp32's (the KV cache's halved bytes do). */
 ALWAYS_INLINE void gemm_strip_f32(const int mr, const float *x, int64_t xs,
-                                  const float *w, int64_t k_len, float *buf,
-                                  const char *pf, int pf_n) {
+                                  const float *w, int64_t k_len, float *buf) {
     __m256 acc[GEMM_MR][2];
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < k_len; k++, w += GEMM_NR) {
-        if (pf) gemm_prefetch(pf, k, pf_n);
+    for (int64_t k = 0; k < k_len; k++, w += 16) {
         const __m256 b0 = _mm256_loadu_ps(w), b1 = _mm256_loadu_ps(w + 8);
         for (int r = 0; r < mr; r++) {
             const __m256 a = _mm256_broadcast_ss(x + r * xs + k);
@@ -255,12 +254,19 @@ ALWAYS_INLINE void gemm_epilogue_avx2(const float *buf, const int mr, void *outv
  * columns on, both do where the gate's columns do */
 ALWAYS_INLINE int gemm_strip_used(int j, const int epi, int ncols) { return 16 * (epi == GEMM_SILU ? j % 2 : j) < ncols; }
 
+/* fp32 panels are strips here ([4][K][16], kernels/cpu_gemm.py pack_panels): a strip's pass reads
+ * its weights in order, where the AVX-512 layout's rows of 64 had it read one line in every four,
+ * and the next panel is not prefetched. Measured on 2 Zen 3 cores, a decode step's projections (30
+ * layers, weights from DRAM, fp32, median of 15, ms at 64 / 128 rows): rows with the prefetch 159 /
+ * 324, rows without it 135 / 251, strips with it 159 / 307, strips without it 111 / 223; on one
+ * core the prefetch still helped the rows (202 against 225 ms) and strips without it were the
+ * fastest (183). */
 ALWAYS_INLINE void gemm_tile_f32(
     const int mr, const float *x, int64_t xs, const float *w, int64_t k_len, void *outv, int64_t os,
-    int ncols, const float *res, int64_t rs, const char *pf, int pf_n, const int epi) {
+    int ncols, const float *res, int64_t rs, const int epi) {
     float buf[GEMM_MR * GEMM_NR] __attribute__((aligned(32)));
     for (int j = 0; j < 4; j++)
-        if (gemm_strip_used(j, epi, ncols)) gemm_strip_f32(mr, x, xs, w + 16 * j, k_len, buf + 16 * j, j == 0 ? pf : NULL, pf_n);
+        if (gemm_strip_used(j, epi, ncols)) gemm_strip_f32(mr, x, xs, w + 16 * j * k_len, k_len, buf + 16 * j);
     gemm_epilogue_avx2(buf, mr, outv, os, ncols, res, rs, epi, 0);
 }
 
@@ -317,7 +323,12 @@ ALWAYS_INLINE void gemm_tile_mr(const int mr, const void *xr, int64_t xs, const 
     }
 #endif
     (void)dt;
+#if HAVE_AVX2
+    (void)pf, (void)pf_n;
+    gemm_tile_f32(mr, xr, xs, wp, kk, orow, os, ncols, rrow, rs, epi);
+#else
     gemm_tile_f32(mr, xr, xs, wp, kk, orow, os, ncols, rrow, rs, pf, pf_n, epi);
+#endif
 }
 
 ALWAYS_INLINE void gemm_tile(int h, const void *xr, int64_t xs, const void *wp, int64_t kk, void *orow, int64_t os,

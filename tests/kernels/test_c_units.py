@@ -2,7 +2,8 @@
 variant's flags; and every exported op gives the same bits as the single-file library they were
 split from (revision BEFORE_SPLIT, built from git with the same flags), on the variant this CPU
 runs. The split moved code and changed no arithmetic: once an op's numerics change on purpose,
-its comparison here goes (git still holds it)."""
+its comparison here goes (git still holds it). The AVX2 build's fp32 panels have since changed
+layout (strips of 16 columns), not sums: its products are compared over the same weights relaid."""
 
 from __future__ import annotations
 
@@ -84,19 +85,33 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _strips(panels: torch.Tensor, k: int) -> torch.Tensor:
+    """fp32 panels in rows of 64, [N/64][K][64] (flat), as strips, [N/64][4][K][16]."""
+    return panels.reshape(-1, k, 4, 16).transpose(1, 2).contiguous().reshape(panels.shape)
+
+
 class Pair:
     """The old and the new library, and a count of the comparisons made."""
 
     def __init__(self, old: ctypes.CDLL, new: ctypes.CDLL) -> None:
         self.old, self.new, self.compared = old, new, 0
 
-    def same(self, name: str, tensors: dict[str, torch.Tensor], *args) -> None:
+    def strips(self, dtype: torch.dtype) -> bool:
+        """Whether the new library reads dtype's panels as strips (its AVX2 fp32 ones, csrc/gemm.c),
+        where the old one read rows of 64: the same sums over another order of the same weights."""
+        return dtype == torch.float32 and bool(self.new.cpu_kernels_features() & cpu_native.FEATURE_AVX2)
+
+    def same(self, name: str, tensors: dict[str, torch.Tensor], *args,
+             relaid: dict[str, int] | None = None) -> None:
         """The op called on fresh copies of tensors for each library, with args (a string: that
         tensor's pointer), or args a single call(fn, copies): the same result code and the same bits
-        in every tensor afterwards (the outputs, and the inputs left as they were)."""
+        in every tensor afterwards (the outputs, and the inputs left as they were). relaid: fp32
+        panels (key -> K) the new library is handed as strips (_strips)."""
+        relaid = relaid or {}
         results = []
         for lib in (self.old, self.new):
-            copies = {key: t.clone() for key, t in tensors.items()}
+            copies = {key: _strips(t, relaid[key]) if lib is self.new and key in relaid else t.clone()
+                      for key, t in tensors.items()}
             fn = getattr(lib, name)
             if len(args) == 1 and callable(args[0]):
                 rc = args[0](fn, copies)
@@ -106,7 +121,8 @@ class Pair:
         (rc_old, old), (rc_new, new) = results
         assert rc_old == rc_new, f"{name}: {rc_old} before the split, {rc_new} after"
         for key in tensors:
-            diff = (_bits(old[key]) != _bits(new[key])).sum().item()
+            was = _strips(old[key], relaid[key]) if key in relaid else old[key]
+            diff = (_bits(was) != _bits(new[key])).sum().item()
             assert diff == 0, f"{name}: {key} differs in {diff} of {old[key].numel()} elements"
         self.compared += 1
 
@@ -215,6 +231,7 @@ def test_gemm_and_argmax_are_bit_identical_to_before_the_split(pair, dtype):
     g = torch.Generator().manual_seed(2)
     sfx = SFX[dtype]
     for m, k, n in [(1, 64, 128), (5, 96, 100), (13, 64, 192), (64, 128, 64), (300, 64, 130)]:
+        relaid = {"w": k} if pair.strips(dtype) else None
         for epi in (0, 1, 2, 3):  # none (and a residual), silu, fp32 out, an unknown one (as none)
             width = 32 if epi == 1 else 64
             panels = -(-n // width)
@@ -222,12 +239,13 @@ def test_gemm_and_argmax_are_bit_identical_to_before_the_split(pair, dtype):
             t = {"x": _rand(g, m, k + 4, dtype=dtype), "w": _rand(g, panels * 64 * k, dtype=dtype, scale=0.1),
                  "out": torch.zeros(m, n + 3, dtype=out_dtype), "res": _rand(g, m, n, dtype=dtype)}
             res = "res" if epi == 0 else None
-            pair.same(f"gemm_{sfx}", t, "x", k + 4, m, k, "w", n, "out", n + 3, res, n, epi, NT)
+            pair.same(f"gemm_{sfx}", t, "x", k + 4, m, k, "w", n, "out", n + 3, res, n, epi, NT,
+                      relaid=relaid)
         assert pair.new.argmax_scratch_floats(m) == pair.old.argmax_scratch_floats(m)
         scratch = NT * pair.new.argmax_scratch_floats(m)
         t = {"x": _rand(g, m, k, dtype=dtype), "w": _rand(g, -(-n // 64) * 64 * k, dtype=dtype, scale=0.1),
              "scratch": torch.zeros(scratch), "top": torch.zeros(m), "out": torch.zeros(m, dtype=torch.int64)}
-        pair.same(f"gemm_argmax_{sfx}", t, "x", k, m, k, "w", n, "scratch", "top", "out", NT)
+        pair.same(f"gemm_argmax_{sfx}", t, "x", k, m, k, "w", n, "scratch", "top", "out", NT, relaid=relaid)
     x = _rand(g, 40, 1000)
     x[3, 500] = x[3].max() + 1
     x[3, 700] = x[3, 500]  # a tie: the first
@@ -282,7 +300,11 @@ def test_decode_layers_are_bit_identical_to_before_the_split(pair, dtype):
                    v_cache=t[f"vc{i}"].data_ptr()) for i in range(n_layers)])
         return fn(ctypes.byref(step), layers, n_layers)
 
-    pair.same(f"decode_layers_{sfx}", t, call)
+    relaid = {}
+    if pair.strips(dtype):
+        for i in range(n_layers):
+            relaid.update({f"qkv{i}": dim, f"o{i}": q_size, f"gate_up{i}": dim, f"down{i}": inter})
+    pair.same(f"decode_layers_{sfx}", t, call, relaid=relaid)
     t["slots"][2] = num_slots  # the store refuses in layer 0: (0 + 1) * 8 + DECODE_ERR_STORE
-    pair.same(f"decode_layers_{sfx}", t, call)
+    pair.same(f"decode_layers_{sfx}", t, call, relaid=relaid)
     assert pair.compared == 2

@@ -626,3 +626,42 @@ def test_bf16_on_a_cpu_without_native_bf16_runs_the_avx2_panels(monkeypatch):
             torch.testing.assert_close(model.layers[0].mlp(hidden), plain, atol=3e-2, rtol=3e-2)
     finally:
         cpu_native.use(None)
+
+
+@pytest.mark.parametrize("strips", [False, True], ids=["rows", "strips"])
+def test_fp32_panels_pack_and_unpack_exactly_in_either_layout(strips, monkeypatch):
+    """fp32 panels are rows of 64, (N/64, K, 64), for the AVX-512 tiles and strips of 16 columns,
+    (N/64, 4, K, 16), for the AVX2 ones: each layout packs, unpacks and reports its K exactly, plain
+    and as gate/up pairs, and its element (panel p, column c, k) is the weight's (64 p + c, k)."""
+    monkeypatch.setattr(cpu_gemm, "f32_strips", lambda: strips)
+    w = torch.arange(192 * 10, dtype=torch.float32).reshape(192, 10)
+    panels = cpu_gemm.pack_panels(w)
+    assert panels.shape == ((3, 4, 10, 16) if strips else (3, 10, 64)) and panels.is_contiguous()
+    assert cpu_gemm.panel_k(panels) == 10 and torch.equal(cpu_gemm.unpack_panels(panels), w)
+    for p, c, k in [(0, 0, 0), (1, 17, 3), (2, 63, 9)]:
+        at = panels[p, c // 16, k, c % 16] if strips else panels[p, k, c]
+        assert at == w[64 * p + c, k]
+    assert torch.equal(cpu_gemm.unpack_gate_up(cpu_gemm.pack_gate_up(w[:128])), w[:128])
+
+
+def test_fp32_panels_of_the_other_layout_are_refused_by_name(monkeypatch, cpu_variant):
+    """Panels packed for one variant's layout and handed to a library that reads the other (use()
+    switched between avx2 and avx512 after packing) would give wrong products: the products and the
+    fused argmax refuse them, naming the layouts and the variant; the fused decode step goes op by op."""
+    _skip_without_panels(torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(128, 40, generator=gen), torch.randn(5, 40, generator=gen)
+    panels = cpu_gemm.pack_panels(w)
+    assert cpu_gemm.panels_fit(panels)
+    torch.testing.assert_close(cpu_gemm.linear_panels(x, panels), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    strips = cpu_gemm.f32_strips()
+    assert strips == (cpu_variant == "avx2")
+    monkeypatch.setattr(cpu_gemm, "f32_strips", lambda: not strips)
+    assert not cpu_gemm.panels_fit(panels)
+    have = "strips" if strips else "rows"
+    match = f"fp32 panels packed as {have} .* while the loaded {cpu_variant} kernels read"
+    with pytest.raises(ValueError, match="linear_panels: " + match):
+        cpu_gemm.linear_panels(x, panels)
+    with pytest.raises(ValueError, match="argmax_panels: " + match):
+        cpu_gemm.argmax_panels(x, panels)
+    assert cpu_gemm.panels_fit(panels.bfloat16())  # bf16 panels have one layout
