@@ -18,10 +18,11 @@ where vdpbf16ps gave ~0.2; 30 layers' projections streamed from DRAM at 64 rows 
 ms); where this build cannot use them, bf16 stays with oneDNN, which can. KernelOptions(amx=False)
 (kernels/options.py) keeps the vdpbf16ps kernel.
 
-fp32 panels have two layouts: rows of 64 columns a k for the AVX-512 tiles, and strips of 16 columns,
-each contiguous over K, for the AVX2 ones (a strip's pass reads its weights in order; on a Zen 3 a
-decode step's projections took 0.70x the time of the rows). pack_panels packs for the library
-loaded, and a product refuses panels of the other layout (`panels_fit`) instead of reading them wrong.
+Panels have two layouts: rows of 64 columns a k (a pair of k in bf16) for the AVX-512 and AMX tiles,
+and strips of 16 columns, each contiguous over K, for the AVX2 ones (a strip's pass reads its weights
+in order; on a Zen 3 a decode step's fp32 projections took 0.70x the time of the rows). pack_panels
+packs for the library loaded, and a product refuses panels of the other layout (`panels_fit`)
+instead of reading them wrong.
 
 At a prefill's row counts (4096 and more) a plain product goes through torch.mm on the panels
 unpacked for the call where that is faster on the CPU (`unpack_rows`: bf16 on AMX, fp32 on Intel;
@@ -107,55 +108,67 @@ def amx_in_use() -> bool:
 STRIP = 16  # columns a strip of an fp32 panel in the AVX2 layout (a pair of ymm)
 
 
-def f32_strips() -> bool:
-    """Whether the loaded library reads fp32 panels as strips, (N/64, 4, K, 16): its AVX2 tiles,
-    which run each 16 columns' pass over K in order (csrc/gemm.c); the AVX-512 tiles read rows of
-    64, (N/64, K, 64)."""
+def strips() -> bool:
+    """Whether the loaded library reads panels as strips of 16 columns, each contiguous over K: its
+    AVX2 tiles, which make a pass over K for each 16 columns (csrc/gemm.c). The AVX-512 and AMX
+    tiles read rows of 64 columns a k (a pair of k in bf16)."""
     return bool(cpu_native.features() & cpu_native.FEATURE_AVX2)
 
 
+# dims of panels in rows of 64 and in strips, by dtype (a bf16 pair of k is the last dim)
+_ROWS_DIMS = {torch.float32: 3, torch.bfloat16: 4}
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight (N, K) -> the panel kernel's layout: bf16 (N/64, K/2, 64, 2); fp32 (N/64, K, 64), or
-    (N/64, 4, K, 16) where the loaded library reads strips (f32_strips())."""
+    """weight (N, K) -> the panel kernel's layout: rows of 64, fp32 (N/64, K, 64) and bf16 (N/64,
+    K/2, 64, 2), or where the loaded library reads strips (strips()), fp32 (N/64, 4, K, 16) and bf16
+    (N/64, 4, K/2, 16, 2)."""
     n, k = weight.shape
     w = weight.detach()
     if weight.dtype == torch.bfloat16:
+        if strips():
+            return w.reshape(n // PANEL, PANEL // STRIP, STRIP, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous()
         return w.reshape(n // PANEL, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    if f32_strips():
+    if strips():
         return w.reshape(n // PANEL, PANEL // STRIP, STRIP, k).transpose(2, 3).contiguous()
     return w.reshape(n // PANEL, PANEL, k).permute(0, 2, 1).contiguous()
+
+
+def in_strips(panels: torch.Tensor) -> bool:
+    """Whether panels (pack_panels') are in strips rather than rows of 64."""
+    return panels.dim() > _ROWS_DIMS.get(panels.dtype, panels.dim())
 
 
 def unpack_panels(panels: torch.Tensor) -> torch.Tensor:
     """pack_panels' inverse: (N, K)."""
     p, k = panels.shape[0], panel_k(panels)
     if panels.dtype == torch.bfloat16:
-        return panels.permute(0, 2, 1, 3).reshape(p * PANEL, k)
-    if panels.dim() == 4:
-        return panels.transpose(2, 3).reshape(p * PANEL, k)
-    return panels.permute(0, 2, 1).reshape(p * PANEL, k)
+        order = (0, 1, 3, 2, 4) if in_strips(panels) else (0, 2, 1, 3)
+    else:
+        order = (0, 1, 3, 2) if in_strips(panels) else (0, 2, 1)
+    return panels.permute(*order).reshape(p * PANEL, k)
 
 
 def panel_k(panels: torch.Tensor) -> int:
     """K of a weight packed by pack_panels / pack_gate_up (bf16 panels hold pairs of k)."""
-    if panels.dtype == torch.bfloat16:
-        return panels.shape[1] * 2
-    return panels.shape[2] if panels.dim() == 4 else panels.shape[1]
+    k = panels.shape[2] if in_strips(panels) else panels.shape[1]
+    return 2 * k if panels.dtype == torch.bfloat16 else k
 
 
 def panels_fit(panels: torch.Tensor) -> bool:
-    """Whether the loaded library reads panels of this layout: fp32 ones packed as strips where it
-    reads rows of 64 (or the other way round: cpu_native.use() changed the variant after packing)
-    do not, and would give wrong products."""
-    return panels.dtype != torch.float32 or (panels.dim() == 4) == f32_strips()
+    """Whether the loaded library reads panels of this layout: ones packed in strips where it reads
+    rows of 64 (or the other way round: cpu_native.use() changed the variant after packing) do not,
+    and would give wrong products."""
+    return in_strips(panels) == strips()
 
 
 def _check_fit(panels: torch.Tensor, who: str) -> None:
     if not panels_fit(panels):
-        have = "strips (N/64, 4, K, 16)" if panels.dim() == 4 else "rows (N/64, K, 64)"
-        want = "strips" if f32_strips() else "rows of 64"
-        raise ValueError(f"{who}: fp32 panels packed as {have}, while the loaded {cpu_native.variant()} "
-                         f"kernels read {want}: pack the weight again under this variant")
+        have = "strips" if in_strips(panels) else "rows of 64"
+        want = "strips" if strips() else "rows of 64"
+        raise ValueError(f"{who}: {panels.dtype} panels packed as {have} {tuple(panels.shape)}, while the "
+                         f"loaded {cpu_native.variant()} kernels read {want}: pack the weight again under "
+                         "this variant")
 
 
 GATE_UP = "batchgen_gate_up"  # an nn.Linear with this attribute true holds [gate | up] rows (2I, K)
@@ -289,7 +302,7 @@ def argmax_panels(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor | None:
     in its cache. The same picks as argmax(linear_f32(x, W)) (first maximum, first NaN). None where it
     does not apply: not panels, a panel GEMM this CPU has no code for, or fused_argmax off."""
     global _argmax_scratch
-    if not options.current().fused_argmax or not is_panels(panels) or panels.dim() not in (3, 4):
+    if not options.current().fused_argmax or not is_panels(panels):
         return None
     t, k = x.shape
     ksize = panel_k(panels)

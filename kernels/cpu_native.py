@@ -114,9 +114,9 @@ def cflags(variant: str) -> list[str]:
 def use(variant: str | None) -> None:
     """Run the kernels of this variant from now on (None: choose()'s); a ValueError naming the CPU
     flags it lacks where this CPU cannot execute it (its instructions would fault). Weights already
-    packed stay valid where the layout is the same: bf16 panels are, fp32 panels are strips for the
-    avx2 variant and rows for the others (kernels/cpu_gemm.py pack_panels); fp32 panels of the other
-    layout are refused by name, never read wrong."""
+    packed stay valid between variants of one panel layout: strips for avx2, rows of 64 for the
+    others (kernels/cpu_gemm.py pack_panels); panels of the other layout are refused by name, never
+    read wrong."""
     global _wanted, _lib, _tried, _why_not
     if variant is not None and variant != NATIVE:
         if variant not in VARIANTS:

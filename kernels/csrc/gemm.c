@@ -1,8 +1,10 @@
 /* The projections' GEMM on AVX-512 (and, further down, AVX2): out (M, N) = x (M, K) @ W.T (+ residual), with W (N, K) packed
  * once (kernels/cpu_gemm.py) into panels of GEMM_NR = 64 output columns:
  *   fp32  [N / 64][K][64]         one k of a panel is 4 zmm of weights (AVX-512: "rows")
- *   fp32  [N / 64][4][K][16]      the AVX2 build's: four strips of 16 columns, each contiguous over K
  *   bf16  [N / 64][K / 2][64][2]  pairs (k, k + 1) of a column side by side, as vdpbf16ps takes them
+ * and in the AVX2 build, four strips of 16 columns a panel, each contiguous over K:
+ *   fp32  [N / 64][4][K][16]
+ *   bf16  [N / 64][4][K / 2][16][2]
  * (N a multiple of 64: the packer takes no other; a caller's n may stop short of the last panel's
  * end, and the stores are masked there). A tile of up to GEMM_MR = 6 rows by 64 columns keeps its
  * 24 accumulators in registers for all of K: per k (pair of k) it loads 4 zmm of the panel and
@@ -143,9 +145,9 @@ ALWAYS_INLINE void gemm_tile_bf16(const int mr, const uint16_t *x, int64_t xs, c
  * columns, each a pass over all of K with its 12 accumulators in registers (per k, 2 ymm of the
  * panel serve 6 rows and each x element 16 columns; x's rows come back from L1 for the next strip).
  * The strips land in a 6 x 64 fp32 buffer whose epilogue adds the residual, or computes silu(gate)
- * * up across the panel's halves, as the AVX-512 tile's does from its registers. bf16 panels (the
- * same pairs layout) are widened to fp32 in registers: a pair of k splits into its even and odd
- * halves with a shift and an and (x's rows are widened once a tile). Measured on one core, CPU
+ * * up across the panel's halves, as the AVX-512 tile's does from its registers. bf16 panels (pairs
+ * of k side by side, in strips as fp32's) are widened to fp32 in registers: a pair of k splits into
+ * its even and odd halves with a shift and an and (x's rows are widened once a tile). Measured on one core, CPU
  * time of a SmolLM2-135M decode step's projections (30 layers and the lm_head, 64 rows): bf16
  * 1.04-1.11x fp32's (the widening's ALU work; the weights' halved bytes do not matter at that rate),
  * a whole generate() 0.965x fp32's (the KV cache's halved bytes do). */
@@ -171,16 +173,14 @@ ALWAYS_INLINE void gemm_strip_f32(const int mr, const float *x, int64_t xs,
  * xfs apart), into buf, adding to what it holds unless first */
 ALWAYS_INLINE void gemm_strip_bf16(const int mr, const float *xf, int64_t xfs,
                                    const uint16_t *w, int64_t pairs, float *buf,
-                                   const int first, const char *pf, int pf_n,
-                                   int64_t pf_k) {
+                                   const int first) {
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
     __m256 acc[GEMM_MR][2];
     for (int r = 0; r < mr; r++) {
         acc[r][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(buf + r * GEMM_NR);
         acc[r][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(buf + r * GEMM_NR + 8);
     }
-    for (int64_t k = 0; k < pairs; k++, w += 2 * GEMM_NR) {
-        if (pf) gemm_prefetch(pf, pf_k + k, pf_n);
+    for (int64_t k = 0; k < pairs; k++, w += 32) {
         /* k's elements, then k + 1's: 12 accumulators, 2 of weights and a broadcast fit the 16
          * registers, where both halves at once spilled; the barrier makes the second half load the
          * weights again (from L1) instead of keeping them in two more registers */
@@ -254,13 +254,14 @@ ALWAYS_INLINE void gemm_epilogue_avx2(const float *buf, const int mr, void *outv
  * columns on, both do where the gate's columns do */
 ALWAYS_INLINE int gemm_strip_used(int j, const int epi, int ncols) { return 16 * (epi == GEMM_SILU ? j % 2 : j) < ncols; }
 
-/* fp32 panels are strips here ([4][K][16], kernels/cpu_gemm.py pack_panels): a strip's pass reads
- * its weights in order, where the AVX-512 layout's rows of 64 had it read one line in every four,
- * and the next panel is not prefetched. Measured on 2 Zen 3 cores, a decode step's projections (30
- * layers, weights from DRAM, fp32, median of 15, ms at 64 / 128 rows): rows with the prefetch 159 /
- * 324, rows without it 135 / 251, strips with it 159 / 307, strips without it 111 / 223; on one
- * core the prefetch still helped the rows (202 against 225 ms) and strips without it were the
- * fastest (183). */
+/* Panels are strips here (fp32 [4][K][16], bf16 [4][K/2][16][2]; kernels/cpu_gemm.py pack_panels):
+ * a strip's pass reads its weights in order, where the AVX-512 layouts' rows of 64 had it read one
+ * line in every four, and the next panel is not prefetched. Measured on 2 Zen 3 cores, a decode
+ * step's projections (30 layers, weights from DRAM, median of 15, ms at 64 / 128 rows): fp32 rows
+ * with the prefetch 159 / 324, rows without it 135 / 251, strips with it 159 / 307, strips without
+ * it 111 / 223 (on one core the prefetch still helped the rows, 202 against 225 ms, and strips
+ * without it were the fastest, 183); bf16 128 / 254 in rows with the prefetch, 112 / 234 in strips
+ * without it. */
 ALWAYS_INLINE void gemm_tile_f32(
     const int mr, const float *x, int64_t xs, const float *w, int64_t k_len, void *outv, int64_t os,
     int ncols, const float *res, int64_t rs, const int epi) {
@@ -276,7 +277,7 @@ ALWAYS_INLINE void gemm_tile_f32(
 enum { GEMM_XF_PAIRS = 256 };
 ALWAYS_INLINE void gemm_tile_bf16(
     const int mr, const uint16_t *x, int64_t xs, const uint16_t *w, int64_t pairs, void *outv,
-    int64_t os, int ncols, const uint16_t *res, int64_t rs, const char *pf, int pf_n, const int epi) {
+    int64_t os, int ncols, const uint16_t *res, int64_t rs, const int epi) {
     float buf[GEMM_MR * GEMM_NR] __attribute__((aligned(32)));
     float xf[GEMM_MR * 2 * GEMM_XF_PAIRS] __attribute__((aligned(32)));
     for (int64_t k0 = 0; k0 < pairs; k0 += GEMM_XF_PAIRS) {
@@ -290,8 +291,7 @@ ALWAYS_INLINE void gemm_tile_bf16(
         }
         for (int j = 0; j < 4; j++)
             if (gemm_strip_used(j, epi, ncols))
-                gemm_strip_bf16(mr, xf, 2 * GEMM_XF_PAIRS, w + k0 * 2 * GEMM_NR + 32 * j, np, buf + 16 * j, k0 == 0,
-                                j == 0 ? pf : NULL, pf_n, k0);
+                gemm_strip_bf16(mr, xf, 2 * GEMM_XF_PAIRS, w + 32 * (j * pairs + k0), np, buf + 16 * j, k0 == 0);
     }
     gemm_epilogue_avx2(buf, mr, outv, os, ncols, res, rs, epi, 1);
 }
@@ -316,6 +316,11 @@ static int64_t gemm_row_parts(int64_t m, int64_t panels, int num_threads, int64_
 ALWAYS_INLINE void gemm_tile_mr(const int mr, const void *xr, int64_t xs, const void *wp, int64_t kk, void *orow,
                                 int64_t os, int ncols, const void *rrow, int64_t rs, const char *pf, int pf_n,
                                 const int epi, const int dt) {
+#if HAVE_AVX2 /* strips, read in order: no prefetch of the next panel (gemm_tile_f32) */
+    (void)pf, (void)pf_n;
+    if (dt == BF16) gemm_tile_bf16(mr, xr, xs, wp, kk, orow, os, ncols, rrow, rs, epi);
+    else gemm_tile_f32(mr, xr, xs, wp, kk, orow, os, ncols, rrow, rs, epi);
+#else
 #if HAVE_GEMM_BF16
     if (dt == BF16) {
         gemm_tile_bf16(mr, xr, xs, wp, kk, orow, os, ncols, rrow, rs, pf, pf_n, epi);
@@ -323,10 +328,6 @@ ALWAYS_INLINE void gemm_tile_mr(const int mr, const void *xr, int64_t xs, const 
     }
 #endif
     (void)dt;
-#if HAVE_AVX2
-    (void)pf, (void)pf_n;
-    gemm_tile_f32(mr, xr, xs, wp, kk, orow, os, ncols, rrow, rs, epi);
-#else
     gemm_tile_f32(mr, xr, xs, wp, kk, orow, os, ncols, rrow, rs, pf, pf_n, epi);
 #endif
 }

@@ -2,8 +2,8 @@
 variant's flags; and every exported op gives the same bits as the single-file library they were
 split from (revision BEFORE_SPLIT, built from git with the same flags), on the variant this CPU
 runs. The split moved code and changed no arithmetic: once an op's numerics change on purpose,
-its comparison here goes (git still holds it). The AVX2 build's fp32 panels have since changed
-layout (strips of 16 columns), not sums: its products are compared over the same weights relaid."""
+its comparison here goes (git still holds it). The AVX2 build's panels have since changed layout
+(strips of 16 columns), not sums: its products are compared over the same weights relaid."""
 
 from __future__ import annotations
 
@@ -86,7 +86,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _strips(panels: torch.Tensor, k: int) -> torch.Tensor:
-    """fp32 panels in rows of 64, [N/64][K][64] (flat), as strips, [N/64][4][K][16]."""
+    """Panels in rows of 64 (flat), fp32 [N/64][K][64] or bf16 [N/64][K/2][64][2], as strips, [N/64][4][K][16]
+    or [N/64][4][K/2][16][2]."""
+    if panels.dtype == torch.bfloat16:
+        return panels.reshape(-1, k // 2, 4, 16, 2).transpose(1, 2).contiguous().reshape(panels.shape)
     return panels.reshape(-1, k, 4, 16).transpose(1, 2).contiguous().reshape(panels.shape)
 
 
@@ -96,16 +99,16 @@ class Pair:
     def __init__(self, old: ctypes.CDLL, new: ctypes.CDLL) -> None:
         self.old, self.new, self.compared = old, new, 0
 
-    def strips(self, dtype: torch.dtype) -> bool:
-        """Whether the new library reads dtype's panels as strips (its AVX2 fp32 ones, csrc/gemm.c),
-        where the old one read rows of 64: the same sums over another order of the same weights."""
-        return dtype == torch.float32 and bool(self.new.cpu_kernels_features() & cpu_native.FEATURE_AVX2)
+    def strips(self) -> bool:
+        """Whether the new library reads panels as strips (its AVX2 ones, csrc/gemm.c), where the old
+        one read rows of 64: the same sums over another order of the same weights."""
+        return bool(self.new.cpu_kernels_features() & cpu_native.FEATURE_AVX2)
 
     def same(self, name: str, tensors: dict[str, torch.Tensor], *args,
              relaid: dict[str, int] | None = None) -> None:
         """The op called on fresh copies of tensors for each library, with args (a string: that
         tensor's pointer), or args a single call(fn, copies): the same result code and the same bits
-        in every tensor afterwards (the outputs, and the inputs left as they were). relaid: fp32
+        in every tensor afterwards (the outputs, and the inputs left as they were). relaid:
         panels (key -> K) the new library is handed as strips (_strips)."""
         relaid = relaid or {}
         results = []
@@ -231,7 +234,7 @@ def test_gemm_and_argmax_are_bit_identical_to_before_the_split(pair, dtype):
     g = torch.Generator().manual_seed(2)
     sfx = SFX[dtype]
     for m, k, n in [(1, 64, 128), (5, 96, 100), (13, 64, 192), (64, 128, 64), (300, 64, 130)]:
-        relaid = {"w": k} if pair.strips(dtype) else None
+        relaid = {"w": k} if pair.strips() else None
         for epi in (0, 1, 2, 3):  # none (and a residual), silu, fp32 out, an unknown one (as none)
             width = 32 if epi == 1 else 64
             panels = -(-n // width)
@@ -301,7 +304,7 @@ def test_decode_layers_are_bit_identical_to_before_the_split(pair, dtype):
         return fn(ctypes.byref(step), layers, n_layers)
 
     relaid = {}
-    if pair.strips(dtype):
+    if pair.strips():
         for i in range(n_layers):
             relaid.update({f"qkv{i}": dim, f"o{i}": q_size, f"gate_up{i}": dim, f"down{i}": inter})
     pair.same(f"decode_layers_{sfx}", t, call, relaid=relaid)

@@ -628,40 +628,47 @@ def test_bf16_on_a_cpu_without_native_bf16_runs_the_avx2_panels(monkeypatch):
         cpu_native.use(None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("strips", [False, True], ids=["rows", "strips"])
-def test_fp32_panels_pack_and_unpack_exactly_in_either_layout(strips, monkeypatch):
-    """fp32 panels are rows of 64, (N/64, K, 64), for the AVX-512 tiles and strips of 16 columns,
-    (N/64, 4, K, 16), for the AVX2 ones: each layout packs, unpacks and reports its K exactly, plain
-    and as gate/up pairs, and its element (panel p, column c, k) is the weight's (64 p + c, k)."""
-    monkeypatch.setattr(cpu_gemm, "f32_strips", lambda: strips)
-    w = torch.arange(192 * 10, dtype=torch.float32).reshape(192, 10)
+def test_panels_pack_and_unpack_exactly_in_either_layout(strips, dtype, monkeypatch):
+    """Panels are rows of 64 columns a k (a pair of k in bf16) for the AVX-512 and AMX tiles and
+    strips of 16 columns for the AVX2 ones: each layout packs, unpacks and reports its K exactly,
+    plain and as gate/up pairs, and its element (panel p, column c, k) is the weight's (64 p + c, k)."""
+    monkeypatch.setattr(cpu_gemm, "strips", lambda: strips)
+    w = torch.arange(192 * 10, dtype=torch.float32).reshape(192, 10).to(dtype)
     panels = cpu_gemm.pack_panels(w)
-    assert panels.shape == ((3, 4, 10, 16) if strips else (3, 10, 64)) and panels.is_contiguous()
+    want = {(torch.float32, False): (3, 10, 64), (torch.float32, True): (3, 4, 10, 16),
+            (torch.bfloat16, False): (3, 5, 64, 2), (torch.bfloat16, True): (3, 4, 5, 16, 2)}[dtype, strips]
+    assert panels.shape == want and panels.is_contiguous() and cpu_gemm.in_strips(panels) == strips
     assert cpu_gemm.panel_k(panels) == 10 and torch.equal(cpu_gemm.unpack_panels(panels), w)
     for p, c, k in [(0, 0, 0), (1, 17, 3), (2, 63, 9)]:
-        at = panels[p, c // 16, k, c % 16] if strips else panels[p, k, c]
+        if dtype == torch.bfloat16:
+            at = panels[p, c // 16, k // 2, c % 16, k % 2] if strips else panels[p, k // 2, c, k % 2]
+        else:
+            at = panels[p, c // 16, k, c % 16] if strips else panels[p, k, c]
         assert at == w[64 * p + c, k]
     assert torch.equal(cpu_gemm.unpack_gate_up(cpu_gemm.pack_gate_up(w[:128])), w[:128])
 
 
-def test_fp32_panels_of_the_other_layout_are_refused_by_name(monkeypatch, cpu_variant):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_panels_of_the_other_layout_are_refused_by_name(dtype, monkeypatch, cpu_variant):
     """Panels packed for one variant's layout and handed to a library that reads the other (use()
     switched between avx2 and avx512 after packing) would give wrong products: the products and the
-    fused argmax refuse them, naming the layouts and the variant; the fused decode step goes op by op."""
-    _skip_without_panels(torch.float32)
+    fused argmax refuse them, naming the layouts and the variant."""
+    _skip_without_panels(dtype)
     gen = torch.Generator().manual_seed(3)
-    w, x = torch.randn(128, 40, generator=gen), torch.randn(5, 40, generator=gen)
+    w, x = torch.randn(128, 40, generator=gen).to(dtype), torch.randn(5, 40, generator=gen).to(dtype)
     panels = cpu_gemm.pack_panels(w)
     assert cpu_gemm.panels_fit(panels)
-    torch.testing.assert_close(cpu_gemm.linear_panels(x, panels), F.linear(x, w), atol=1e-4, rtol=1e-5)
-    strips = cpu_gemm.f32_strips()
-    assert strips == (cpu_variant == "avx2")
-    monkeypatch.setattr(cpu_gemm, "f32_strips", lambda: not strips)
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(cpu_gemm.linear_panels(x, panels), F.linear(x, w), atol=atol, rtol=rtol)
+    strips = cpu_gemm.strips()
+    assert strips == (cpu_variant == "avx2") == cpu_gemm.in_strips(panels)
+    monkeypatch.setattr(cpu_gemm, "strips", lambda: not strips)
     assert not cpu_gemm.panels_fit(panels)
-    have = "strips" if strips else "rows"
-    match = f"fp32 panels packed as {have} .* while the loaded {cpu_variant} kernels read"
+    have = "strips" if strips else "rows of 64"
+    match = rf"{dtype} panels packed as {have} \(.*\), while the loaded {cpu_variant} kernels read"
     with pytest.raises(ValueError, match="linear_panels: " + match):
         cpu_gemm.linear_panels(x, panels)
     with pytest.raises(ValueError, match="argmax_panels: " + match):
         cpu_gemm.argmax_panels(x, panels)
-    assert cpu_gemm.panels_fit(panels.bfloat16())  # bf16 panels have one layout

@@ -172,12 +172,12 @@ def test_a_weight_that_changes_form_in_place_is_not_read_as_panels():
         assert model.decode_layers.run(x, positions, caches, meta) is None and not model.decode_layers.ok
 
 
-def test_fp32_panels_of_the_other_layout_go_op_by_op(monkeypatch):
-    """Weights packed in the fp32 layout the loaded library does not read (strips for AVX2, rows of 64
-    for AVX-512: cpu_native.use() switched after packing) are not handed to the fused call."""
+def test_panels_of_the_other_layout_go_op_by_op(monkeypatch):
+    """Weights packed in the layout the loaded library does not read (strips for AVX2, rows of 64 for
+    AVX-512: cpu_native.use() switched after packing) are not handed to the fused call."""
     model, caches, x, positions, meta = _fused_fp32_step()
-    strips = cpu_gemm.f32_strips()
-    monkeypatch.setattr(cpu_gemm, "f32_strips", lambda: not strips)
+    strips = cpu_gemm.strips()
+    monkeypatch.setattr(cpu_gemm, "strips", lambda: not strips)
     model.decode_layers.key = None  # as a variant switch does (the key holds the variant)
     with torch.inference_mode():
         assert model.decode_layers.run(x, positions, caches, meta) is None and not model.decode_layers.ok
