@@ -105,7 +105,7 @@ def amx_in_use() -> bool:
     return cpu_native.amx()
 
 
-STRIP = 16  # columns a strip of an fp32 panel in the AVX2 layout (a pair of ymm)
+STRIP = 16  # columns a strip of a panel in the AVX2 layout (a pair of ymm of fp32 accumulators)
 
 
 def strips() -> bool:

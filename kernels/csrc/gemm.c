@@ -147,10 +147,10 @@ ALWAYS_INLINE void gemm_tile_bf16(const int mr, const uint16_t *x, int64_t xs, c
  * The strips land in a 6 x 64 fp32 buffer whose epilogue adds the residual, or computes silu(gate)
  * * up across the panel's halves, as the AVX-512 tile's does from its registers. bf16 panels (pairs
  * of k side by side, in strips as fp32's) are widened to fp32 in registers: a pair of k splits into
- * its even and odd halves with a shift and an and (x's rows are widened once a tile). Measured on one core, CPU
- * time of a SmolLM2-135M decode step's projections (30 layers and the lm_head, 64 rows): bf16
- * 1.04-1.11x fp32's (the widening's ALU work; the weights' halved bytes do not matter at that rate),
- * a whole generate() 0.965x fp32's (the KV cache's halved bytes do). */
+ * its even and odd halves with a shift and an and (x's rows are widened once a tile). Measured on
+ * one core, CPU time of a SmolLM2-135M decode step's projections (30 layers and the lm_head, 64
+ * rows): bf16 1.04-1.11x fp32's (the widening's ALU work; the weights' halved bytes do not matter at
+ * that rate), a whole generate() 0.965x fp32's (the KV cache's halved bytes do). */
 ALWAYS_INLINE void gemm_strip_f32(const int mr, const float *x, int64_t xs,
                                   const float *w, int64_t k_len, float *buf) {
     __m256 acc[GEMM_MR][2];
