@@ -672,3 +672,42 @@ def test_panels_of_the_other_layout_are_refused_by_name(dtype, monkeypatch, cpu_
         cpu_gemm.linear_panels(x, panels)
     with pytest.raises(ValueError, match="argmax_panels: " + match):
         cpu_gemm.argmax_panels(x, panels)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("epilogue", ["plain", "residual", "silu"])
+def test_tall_row_tasks_take_k_in_chunks_and_give_the_short_tasks_sums_bit_for_bit(epilogue, threads,
+                                                                                   cpu_variant):
+    """A task of many rows (a prefill's) goes through K in chunks, its sums kept between them
+    (csrc/gemm.c gemm_task_kblocked_f32, AVX2); each row's sum still takes its k in order, so the
+    rows come out exactly as they do in calls of a few rows (short tasks, one pass over K). K = 600
+    is three chunks of 200 (and 1000 four of 250); 977 rows are blocks of 480, 480 and 17 (the last
+    one's tasks unblocked), row counts give uneven tiles, x's rows are strided and the last panel
+    is partial."""
+    _skip_without_panels(torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k, rows in ((600, 977), (1000, 130), (600, 97)):
+            n = 160 if epilogue == "silu" else 190  # silu: 5 gate/up panels; else the last panel partial
+            w = torch.randn(2 * n if epilogue == "silu" else 192, k, generator=gen) * 0.05
+            panels = cpu_gemm.pack_gate_up(w) if epilogue == "silu" else cpu_gemm.pack_panels(w)
+            x = torch.randn(rows, k + 8, generator=gen)[:, 4:4 + k]
+            res = torch.randn(rows, n, generator=gen) if epilogue == "residual" else None
+
+            def product(lo, hi):
+                return cpu_gemm.linear_panels(x[lo:hi], panels, n=None if epilogue == "silu" else n,
+                                              residual=None if res is None else res[lo:hi].contiguous(),
+                                              silu=epilogue == "silu")
+
+            tall = product(0, rows)
+            short = torch.cat([product(i, min(i + 5, rows)) for i in range(0, rows, 5)])
+            assert torch.equal(tall, short), f"K={k}, {rows} rows: {(tall - short).abs().max()}"
+            if epilogue == "silu":
+                want = F.silu(x.double() @ w[:n].double().T) * (x.double() @ w[n:].double().T)
+            else:
+                want = x.double() @ w[:n].double().T + (0 if res is None else res.double())
+            torch.testing.assert_close(tall, want.float(), atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
