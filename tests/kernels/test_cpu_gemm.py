@@ -696,7 +696,7 @@ def test_tall_row_tasks_take_k_in_chunks_and_give_the_short_tasks_sums_bit_for_b
             x = torch.randn(rows, k + 8, generator=gen)[:, 4:4 + k]
             res = torch.randn(rows, n, generator=gen) if epilogue == "residual" else None
 
-            def product(lo, hi):
+            def product(lo, hi, x=x, panels=panels, n=n, res=res):
                 return cpu_gemm.linear_panels(x[lo:hi], panels, n=None if epilogue == "silu" else n,
                                               residual=None if res is None else res[lo:hi].contiguous(),
                                               silu=epilogue == "silu")
