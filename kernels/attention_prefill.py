@@ -240,14 +240,15 @@ def paged_prefill_attention_native(
 ) -> torch.Tensor | None:
     """The prefill chunks through the cpu-native tiled kernel: query_start_loc (S+1,) int32 from 0,
     context_lens (S,) int32, block_tables (S, nb) int32; the contract of paged_prefill_attention_ref
-    otherwise. bf16 on CPUs with AVX512-BF16, head dim a multiple of 32, up to 8 query heads per
-    KV head, an even block size; None for anything else (the caller takes the decode kernel row by
-    row then)."""
+    otherwise. bf16 on CPUs with AVX512-BF16 (head dim 32, 64, 128 or 256, an even block size), and
+    fp32, or bf16 without AVX512-BF16, in fp32 vectors (head dim a multiple of 16 with AVX2, 32 with
+    AVX-512, up to 256); up to 8 query heads per KV head; None for anything else (the caller takes the
+    decode kernel row by row then)."""
     from kernels import cpu_native
 
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = len(context_lens)
-    if (q.dtype != torch.bfloat16 or not q.dtype == k_cache.dtype == v_cache.dtype
+    if (q.dtype not in (torch.float32, torch.bfloat16) or not q.dtype == k_cache.dtype == v_cache.dtype
             or q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous())
             or block_tables.stride(-1) != 1 or len(query_start_loc) != num_seqs + 1):
         return None

@@ -40,7 +40,8 @@ CSRC = Path(__file__).with_name("csrc")
 # the library's units, each compiled alone (tests/kernels/test_c_units.py), linked into one .so
 # (the decode attention's two dtypes first: each is about half of the build, and they compile in parallel)
 UNITS = [CSRC / name for name in ("attention_decode_f32.c", "attention_decode_bf16.c", "common.c",
-                                  "attention.c", "norms_rotary.c", "gemm.c", "decode_layers.c")]
+                                  "attention.c", "attention_prefill.c", "norms_rotary.c", "gemm.c",
+                                  "decode_layers.c")]
 # included by the units (isa.h: the ISA helpers; kernels.h: what the units call in one another;
 # attention_decode.h: the decode attention's bodies): part of the build's key
 HEADERS = [CSRC / name for name in ("isa.h", "kernels.h", "attention_decode.h")]

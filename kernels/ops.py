@@ -115,8 +115,9 @@ def _prefill_native(
     window: None = None,
 ) -> torch.Tensor:
     """The prefill chunks on the CPU: the tiled kernel, whose query tiles share every key and value
-    they read (bf16 with AVX512-BF16), else each query token as a decode of its own through the
-    decode kernel, which reads the blocks in place (no gather, no heads expanded for GQA)."""
+    they read (vdpbf16ps tiles for bf16 with AVX512-BF16, fp32 vector tiles otherwise), else (shapes
+    it does not take) each query token as a decode of its own through the decode kernel, which reads
+    the blocks in place (no gather, no heads expanded for GQA)."""
     nd = meta.num_decodes
     out = paged_prefill_attention_native(q, k_cache, v_cache, meta.block_tables[nd:],
                                          meta.prefill_query_start_loc, meta.context_lens[nd:], scale)

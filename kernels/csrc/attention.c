@@ -569,22 +569,20 @@ int paged_prefill_attention_bf16(const uint16_t *q, int64_t q_tok_stride, int64_
     }
     free(tile_seq);
     return failed;
-#else
-    (void)q, (void)q_tok_stride, (void)q_head_stride, (void)k_cache, (void)v_cache, (void)block_tables;
-    (void)block_table_stride, (void)query_starts, (void)context_lens, (void)out, (void)num_seqs;
-    (void)num_q_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)num_threads;
-    return 2;
+#else /* no vdpbf16ps: the fp32 vector tiles, bf16 only in the loads and stores */
+    return prefill_attention_vec(q, q_tok_stride, q_head_stride, k_cache, v_cache, block_tables, block_table_stride,
+                                 query_starts, context_lens, out, num_seqs, num_q_heads, num_kv_heads, head_dim,
+                                 block_size, scale, num_threads, BF16);
 #endif
 }
 
-/* fp32 prefill attention has no tiled kernel: 2, and the caller takes the decode kernel row by row. */
+/* fp32 prefill attention: the vector tiles of attention_prefill.c */
 int paged_prefill_attention_f32(const float *q, int64_t q_tok_stride, int64_t q_head_stride, const float *k_cache,
                                 const float *v_cache, const int32_t *block_tables, int64_t block_table_stride,
                                 const int32_t *query_starts, const int32_t *context_lens, float *out,
                                 int64_t num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
                                 int block_size, float scale, int num_threads) {
-    (void)q, (void)q_tok_stride, (void)q_head_stride, (void)k_cache, (void)v_cache, (void)block_tables;
-    (void)block_table_stride, (void)query_starts, (void)context_lens, (void)out, (void)num_seqs;
-    (void)num_q_heads, (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)num_threads;
-    return 2;
+    return prefill_attention_vec(q, q_tok_stride, q_head_stride, k_cache, v_cache, block_tables, block_table_stride,
+                                 query_starts, context_lens, out, num_seqs, num_q_heads, num_kv_heads, head_dim,
+                                 block_size, scale, num_threads, F32);
 }

@@ -23,6 +23,14 @@ int64_t store_kv_cache(const char *key, int64_t key_stride, const char *value, i
                        char *k_cache, char *v_cache, const int64_t *slot_mapping, int64_t rows,
                        int64_t row_bytes, int64_t num_slots);
 
+/* attention_prefill.c: prefill attention in fp32 vector tiles, for either storage type (2: shapes it
+ * does not take) */
+INTERNAL int prefill_attention_vec(const void *q, int64_t q_tok_stride, int64_t q_head_stride, const void *k_cache,
+                                   const void *v_cache, const int32_t *block_tables, int64_t block_table_stride,
+                                   const int32_t *query_starts, const int32_t *context_lens, void *out,
+                                   int64_t num_seqs, int num_q_heads, int num_kv_heads, int head_dim,
+                                   int block_size, float scale, int num_threads, int dt);
+
 /* norms_rotary.c */
 INTERNAL void rms_norm(const void *x, int64_t x_stride, const void *residual, const void *weight, void *out,
                        void *residual_out, int64_t rows, int64_t dim, float eps, int num_threads, int dt);

@@ -517,17 +517,40 @@ def test_tiled_prefill_matches_the_reference_and_reads_only_contexts(num_q_heads
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_tiled_prefill_gives_the_same_answer_on_any_thread_count_and_strided_queries(cpu_variant):
-    if not _dp_bf16():
-        pytest.skip("the library has no AVX512-BF16 (CPU or build flags): prefill takes the row-by-row path")
-    inputs = make_paged_inputs([37, 5, 64], [37, 70, 64], 9, 3, 64, 16, dtype=torch.bfloat16,
-                               garbage=float("nan"))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tiled_prefill_gives_the_same_answer_on_any_thread_count_and_strided_queries(cpu_variant, dtype):
+    """Either kernel (the vdpbf16ps tiles, the fp32 vector tiles) on every variant this CPU runs."""
+    inputs = make_paged_inputs([37, 5, 64], [37, 70, 64], 9, 3, 64, 16, dtype=dtype, garbage=float("nan"))
     one = _tiled_prefill(inputs, 1)
+    assert one is not None and not one.isnan().any()
     for n in (2, 3, 32):
         assert torch.equal(_tiled_prefill(inputs, n), one)
-    fused = torch.zeros(inputs.q.shape[0], 15, 64, dtype=torch.bfloat16)  # q as a view of a wider row
+    fused = torch.zeros(inputs.q.shape[0], 15, 64, dtype=dtype)  # q as a view of a wider row
     fused[:, :9] = inputs.q
     assert torch.equal(_tiled_prefill(inputs, 2, q=fused[:, :9]), one)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (8, 8, 128, 4), (4, 1, 32, 16), (16, 2, 64, 5), (24, 3, 32, 16),
+                          (6, 2, 256, 16)])
+def test_vector_prefill_tiles_match_the_reference_on_every_variant(cpu_variant, dtype, num_q_heads,
+                                                                   num_kv_heads, head_dim, block_size):
+    """fp32, and bf16 where the library has no AVX512-BF16, in fp32 vector tiles (csrc/attention_prefill.c:
+    head dims 32-256, G 1-8, any block size): within fp32 rounding of the reference (bf16: the output's
+    rounding), never reading outside a context (nan there)."""
+    if dtype == torch.bfloat16 and _dp_bf16():
+        pytest.skip(f"the {cpu_variant} library takes bf16 on its vdpbf16ps tiles (tested above)")
+    query_lens, context_lens = PREFILL_LENS
+    inputs = make_paged_inputs(query_lens, context_lens, num_q_heads, num_kv_heads, head_dim, block_size,
+                               dtype=dtype, garbage=float("nan"))
+    got = _tiled_prefill(inputs, 2)
+    assert got is not None
+    ref = paged_prefill_attention_ref(inputs.q.float(), inputs.k_cache.float(), inputs.v_cache.float(),
+                                      inputs.meta.block_tables, query_lens, context_lens, inputs.scale)
+    assert not got.isnan().any()
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (16, 2, 64)])
@@ -580,12 +603,12 @@ def test_a_prefill_whose_every_sequence_takes_tiles_runs_on_every_thread():
 
 def test_tiled_prefill_declines_what_it_does_not_take_and_ops_fall_back_to_rows(monkeypatch):
     bf = make_paged_inputs([5, 9], [5, 20], 9, 3, 64, 16, dtype=torch.bfloat16)
-    assert _tiled_prefill(make_paged_inputs([5, 9], [5, 20], 9, 3, 64, 16)) is None  # fp32
-    for heads, kv_heads, dim, block in [(9, 3, 48, 16), (12, 1, 64, 16), (9, 3, 64, 5)]:  # D, G of 12, odd B
-        assert _tiled_prefill(make_paged_inputs([5, 9], [5, 20], heads, kv_heads, dim, block,
-                                                dtype=torch.bfloat16)) is None
-    if not _dp_bf16():
-        assert _tiled_prefill(bf) is None
+    for dtype in (torch.float32, torch.bfloat16):  # D 40, G 12, D 288: neither kernel's
+        for heads, kv_heads, dim in [(9, 3, 40), (12, 1, 64), (3, 1, 288)]:
+            inputs = make_paged_inputs([5, 9], [5, 20], heads, kv_heads, dim, 16, dtype=dtype)
+            assert _tiled_prefill(inputs) is None
+    odd_block = make_paged_inputs([5, 9], [5, 20], 9, 3, 64, 5, dtype=torch.bfloat16)
+    assert (_tiled_prefill(odd_block) is None) == _dp_bf16()  # the vdpbf16ps tiles take pairs of keys
     # where the tiled kernel declines, the prefill still runs natively, row by row
     from kernels import attention_prefill
 
