@@ -427,16 +427,26 @@ ALWAYS_INLINE void gemm_task(const void *x, int64_t xs, int64_t m, int64_t k, co
         return;
     }
 #endif
-    const int64_t lpk = kstep * dt_size(dt), kk = k / kstep; /* lines a step of k */
+    const int64_t kk = k / kstep;
+#if HAVE_AVX2 /* strips, read in order: no prefetch of the next panel (gemm_tile_mr) */
+    (void)panels;
+    const int pf_n = 0;
+#else
+    const int64_t lpk = kstep * dt_size(dt); /* lines a step of k */
     const int pf_n = tiles > lpk ? -(int)(tiles / lpk) : (int)((lpk + tiles - 1) / tiles);
     const int64_t pf_tile = pf_n > 0 ? pf_n * kk : (kk - pf_n - 1) / -pf_n; /* lines a tile */
     const char *next = p + 1 < panels ? (const char *)elem(wp, GEMM_NR * k, dt) : NULL;
+#endif
     for (int64_t i = 0, r = r0; i < tiles; i++) {
         const int h = (int)((r1 - r0) / tiles + (i < (r1 - r0) % tiles));
         const void *xr = elem(x, r * xs, dt);
         char *orow = o + r * os * osz;
         const void *rrow = rp ? elem(rp, r * rs, dt) : NULL;
+#if HAVE_AVX2
+        const char *pf = NULL;
+#else
         const char *pf = next && i * pf_tile < lpk * kk ? next + i * pf_tile * 64 : NULL;
+#endif
         gemm_tile(h, xr, xs, wp, kk, orow, os, ncols, rrow, rs, pf, pf_n, epi, dt);
         r += h;
     }
