@@ -41,10 +41,10 @@ ALWAYS_INLINE vf below(vf x, vf other, vlen len, int t) {
 ALWAYS_INLINE vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 #endif
 
-/* scores[t0 + j][VW * (rv + i) ..] for keys k[j] (PF_KB pointers, any past the n real ones repeat a real key)
+/* scores[t0 + j][VW * (rv + i) ..] for keys k[j] (PF_KB pointers, those past the block's real keys repeat one)
  * and RVN vectors of rows from rv */
-ALWAYS_INLINE void pf_scores(const float *qt, int rp, int rv, const void *const *k, int n, int D, float *scores,
-                             int ps, int t0, const int RVN, const int dt) {
+ALWAYS_INLINE void pf_scores(const float *qt, int rp, int rv, const void *const *k, int D, float *scores, int ps,
+                             int t0, const int RVN, const int dt) {
     vf acc[PF_KB][PF_RV];
     for (int j = 0; j < PF_KB; j++)
         for (int i = 0; i < RVN; i++) acc[j][i] = vzero();
@@ -56,8 +56,8 @@ ALWAYS_INLINE void pf_scores(const float *qt, int rp, int rv, const void *const 
             for (int i = 0; i < RVN; i++) acc[j][i] = vfmadd(kb, qv[i], acc[j][i]);
         }
     }
-    (void)n; /* every key of the block stored: scores has PF_KB spare keys, and a constant bound keeps acc in
-              * registers (a run-time one made GCC keep it in memory) */
+    /* every key of the block stored: scores has PF_KB spare keys, and a constant bound keeps acc in
+     * registers (a run-time one made GCC keep it in memory) */
     for (int j = 0; j < PF_KB; j++)
         for (int i = 0; i < RVN; i++) vst_f32(scores + (int64_t)(t0 + j) * ps + (rv + i) * VW, acc[j][i]);
 }
@@ -118,9 +118,9 @@ ALWAYS_INLINE void pf_item(const void *q, int64_t q_tok_stride, int64_t q_head_s
         const void *k[PF_KB];
         for (int j = 0; j < PF_KB; j++) k[j] = elem(k_cache, toff[t0 + (j < n ? j : n - 1)], dt);
         int rv = 0;
-        for (; rv + PF_RV <= nv; rv += PF_RV) pf_scores(qt, rp, rv, k, n, D, scores, ps, t0, PF_RV, dt);
-        if (nv - rv == 2) pf_scores(qt, rp, rv, k, n, D, scores, ps, t0, 2, dt);
-        else if (nv - rv == 1) pf_scores(qt, rp, rv, k, n, D, scores, ps, t0, 1, dt);
+        for (; rv + PF_RV <= nv; rv += PF_RV) pf_scores(qt, rp, rv, k, D, scores, ps, t0, PF_RV, dt);
+        if (nv - rv == 2) pf_scores(qt, rp, rv, k, D, scores, ps, t0, 2, dt);
+        else if (nv - rv == 1) pf_scores(qt, rp, rv, k, D, scores, ps, t0, 1, dt);
     }
     /* pass 2 */
     float inv[PF_MAX_ROWS + PF_GR];
