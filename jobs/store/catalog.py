@@ -58,7 +58,10 @@ fences against `now()`, the start of the query's transaction, which every scan o
   answers as before. Since the list is fixed, a scan of `TWO_READ_KINDS` may read it twice (the
   (file, part) pairs to choose from, then the chosen rows) instead of materializing every row, and
   the other kinds' scans work out each file's facts from the list before reading the rows, which then
-  carry their file's rank (`_ranked_scan_sql`).
+  carry their file's rank (`_ranked_scan_sql`). Where the listing tells that no part of a kind is in
+  two of its files (`Listing.disjoint`: no compaction between its rename and its tombstone, no two
+  compactions of the same inputs), the kind's scan reads them as they are, choosing nothing: every
+  row once.
 - Every kind has a zero-row `_schema.parquet`, so an empty data dir gives zero rows, not an error.
 - In `connect`'s in-memory views paths are absolute (resolved when the connection is made), so
   they work from any cwd; the catalog file's are relative (above).
@@ -166,6 +169,12 @@ def _scan_sql(layout: Layout, kind: str, relative_to: Path | None = None, where:
     files = (f"CASE WHEN {_PINNED} THEN getvariable('{LISTING_VARIABLE}').{kind} ELSE [{_q(glob)}] END"
              if listed else _q(glob))
     filtered = f" WHERE {where}" if where else ""
+    # a pinned listing whose files hold each part once: read as they are (the planner drops the
+    # branches whose constant condition is false, so each query runs one form)
+    disjoint = _disjoint_sql(kind)
+    as_listed = f"""
+SELECT * FROM read_parquet({files}, union_by_name = true, hive_partitioning = false){filtered}
+"""
     one_listing = f"""
 WITH s AS MATERIALIZED (
     SELECT *, {_COMPACTED} AS _bg_compacted
@@ -189,7 +198,9 @@ WHERE {_chosen("s")}
         ranked = (f"{_PINNED} AND len(list_filter(getvariable('{LISTING_VARIABLE}').{kind}, "
                   "lambda p: contains(p, '*'))) = 0")
         return f"""
-SELECT * FROM ({_ranked_scan_sql(files, filtered)}) WHERE {ranked}
+SELECT * FROM ({as_listed}) WHERE {disjoint}
+UNION ALL BY NAME
+SELECT * FROM ({_ranked_scan_sql(files, filtered)}) WHERE {ranked} AND NOT {disjoint}
 UNION ALL BY NAME
 SELECT * FROM ({one_listing}) WHERE NOT ({ranked})
 """
@@ -208,10 +219,18 @@ WITH fp AS (
 )
 SELECT r.* EXCLUDE (_bg_file) FROM {twice} AS r
 SEMI JOIN chosen AS c ON r._bg_file = c._bg_file AND r._bg_part = c._bg_part
-WHERE {_PINNED}{f" AND ({where})" if where else ""}
+WHERE {_PINNED} AND NOT {disjoint}{f" AND ({where})" if where else ""}
+UNION ALL BY NAME
+SELECT * FROM ({as_listed}) WHERE {disjoint}
 UNION ALL BY NAME
 SELECT * FROM ({one_listing}) WHERE NOT {_PINNED}
 """
+
+
+def _disjoint_sql(kind: str) -> str:
+    """Whether the pinned listing, young enough to be read, holds each part of `kind` in one file only
+    (`listing.Listing.disjoint`): a constant of the query."""
+    return f"({_PINNED} AND coalesce(getvariable('{LISTING_VARIABLE}').disjoint.{kind}, false))"
 
 
 def _ranked_scan_sql(files: str, filtered: str, rows: str | None = None) -> str:
@@ -269,8 +288,11 @@ def _rollup_scan_sql(layout: Layout, relative_to: Path | None = None) -> str:
         UNION ALL BY NAME
         {rollups.rollup_select(untwinned_rows, keep=("_bg_file",))}
     )"""
+    disjoint = _disjoint_sql(rollups.KIND)
     return f"""
-SELECT * FROM ({_ranked_scan_sql(files, "", rows)}) WHERE {_PINNED}
+SELECT * EXCLUDE (_bg_file) FROM {rows} WHERE {disjoint}
+UNION ALL BY NAME
+SELECT * FROM ({_ranked_scan_sql(files, "", rows)}) WHERE {_PINNED} AND NOT {disjoint}
 UNION ALL BY NAME
 SELECT * FROM ({computed}) WHERE NOT {_PINNED}
 """

@@ -8,7 +8,9 @@ one worker (iterations) or one sweep. Compacting a group:
    keeping its `_bg_part`, written under a temporary name and renamed into
    `compacted/<group>/c<16 digits>~<uid>.parquet` (newer names sort first);
 3. records the merged inputs (relative to the data dir) in a tombstone under `store/gc/`, and deletes
-   nothing.
+   nothing. A marker `store/gc/<kind>~<group>~<uid>.renaming` is there from before the rename until
+   the tombstone is written, so that readers know an output whose inputs they may still list
+   (`listing.list_files`); a lock broken while its holder may still run leaves a `.suspect` marker.
 
 Readers stay correct at every instant (catalog.py explains the rule): a compacted file counts only
 `ACTIVATION_DELAY_S` after its rename, and then its rows replace those of the parts it merged; until
@@ -54,7 +56,13 @@ import duckdb
 from jobs.store import catalog, rollups
 from jobs.store.catalog import connect, write_catalog
 from jobs.store.layout import Layout, StoreError, check_id, init_data_dir, new_uid, write_atomic
-from jobs.store.listing import execute_listed, read_tombstone
+from jobs.store.listing import (
+    RENAMING_SUFFIX,
+    SUSPECT_SUFFIX,
+    execute_listed,
+    marker_name,
+    read_tombstone,
+)
 from jobs.store.schemas import JOB_KINDS
 
 GRACE_S = 600.0  # inputs of a compaction are deleted this long after it
@@ -277,7 +285,19 @@ def collect_garbage(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S) ->
                 deleted += _delete(_superseded(layout, info))
                 tomb.unlink()
     stale = [p for p in layout.tmp.iterdir() if now - _mtime(p, now) > TMP_MAX_AGE_S]
-    return deleted + _delete(stale + rollups.orphans(layout, now))
+    return deleted + _delete(stale + rollups.orphans(layout, now) + _stale_markers(layout, now))
+
+
+def _stale_markers(layout: Layout, now: float) -> list[Path]:
+    """`.renaming` markers of dead compactors whose output is gone (never renamed in, or merged and
+    collected since): one whose output is still there keeps its group read part by part."""
+    stale = []
+    for marker in layout.gc.glob(f"*{RENAMING_SUFFIX}"):
+        kind, group, uid = marker.name[:-len(RENAMING_SUFFIX)].split("~")
+        if now - _mtime(marker, now) > STALE_LOCK_S and not any(
+                layout.compacted_dir(kind, group).glob(f"c*~{uid}.parquet")):
+            stale.append(marker)
+    return stale
 
 
 def _superseded(layout: Layout, info: dict) -> list[Path]:
@@ -379,10 +399,10 @@ def _merged_already(layout: Layout, kind: str, group: str) -> set[Path]:
     return files
 
 
-def _compacted_name() -> str:
+def _compacted_name(uid: str) -> str:
     """c<10**16 - epoch_us>~<uid>.parquet: the views read the time back from the name (a compacted
     file counts ACTIVATION_DELAY_S after it), and newer files sort first within a group."""
-    return f"c{10**16 - time.time_ns() // 1000:016d}~{new_uid()}.parquet"
+    return f"c{10**16 - time.time_ns() // 1000:016d}~{uid}.parquet"
 
 
 def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> tuple[int, Path]:
@@ -396,6 +416,7 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> tupl
               "hive_partitioning = false, filename = '_bg_file') "
               f"QUALIFY _bg_file = min(_bg_file) OVER (PARTITION BY _bg_part){order}")
     spill = layout.tmp / f"{new_uid()}.spill"
+    uid = None
     con = duckdb.connect(":memory:", config={"memory_limit": MERGE_MEMORY_LIMIT,
                                              "temp_directory": str(spill)})
     try:
@@ -413,12 +434,18 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> tupl
                         "(FORMAT parquet, COMPRESSION zstd)")
             _fsync(twin_tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
-        output = out_dir / _compacted_name()
+        uid = new_uid()  # the marker names the output before it is in place (removed with the tombstone)
+        write_atomic(layout.gc / marker_name(kind, out_dir.name, uid, RENAMING_SUFFIX), b"", layout.tmp)
+        output = out_dir / _compacted_name(uid)
         if kind == rollups.KIND:
             twin = rollups.twin_of(layout, output)
             twin.parent.mkdir(parents=True, exist_ok=True)
             os.replace(twin_tmp, twin)
         os.replace(tmp, output)  # named at the last moment: see _compacted_name
+    except BaseException:
+        if uid is not None and not any(out_dir.glob(f"c*~{uid}.parquet")):  # nothing renamed in
+            (layout.gc / marker_name(kind, out_dir.name, uid, RENAMING_SUFFIX)).unlink(missing_ok=True)
+        raise
     finally:
         con.close()
         for path in (tmp, twin_tmp):
@@ -446,6 +473,8 @@ def _write_tombstone(layout: Layout, kind: str, group: str, inputs: list[Path], 
     if grace_s is not None:  # shorter than collect_garbage's (a running job's parts: LIVE_GRACE_S)
         body["grace_s"] = grace_s
     write_atomic(layout.gc / f"{kind}~{group}~{new_uid()}.json", json.dumps(body).encode(), layout.tmp)
+    uid = output.name[:-len(".parquet")].split("~", 1)[1]
+    (layout.gc / marker_name(kind, group, uid, RENAMING_SUFFIX)).unlink(missing_ok=True)
 
 
 @contextmanager
@@ -453,7 +482,10 @@ def _group_lock(layout: Layout, kind: str, group: str) -> Iterator[bool]:
     """Yield True holding the group's lock, False when another live process holds it."""
     path = layout.locks / f"{kind}~{group}.lock"
     fd = _try_lock(path)
-    if fd is None and (time.time() - _mtime(path, time.time()) > STALE_LOCK_S or _holder_gone(path)):
+    gone = fd is None and _holder_gone(path)
+    if fd is None and (gone or time.time() - _mtime(path, time.time()) > STALE_LOCK_S):
+        if not gone:  # its holder may still run, and write an output of the inputs the next one merges
+            write_atomic(layout.gc / marker_name(kind, group, new_uid(), SUSPECT_SUFFIX), b"", layout.tmp)
         path.unlink(missing_ok=True)
         fd = _try_lock(path)
     if fd is None:

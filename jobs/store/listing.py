@@ -19,7 +19,22 @@ them is).
 A tombstone (`store/gc/*.json`, written by the compactor after its output is renamed into place)
 names the compaction's inputs and, since this module, its output; one without an output (written by
 an older batchgen) leaves its inputs listed. Tombstones never change once written, so their content
-is kept between listings (`merged_files`).
+is kept between listings (`gc_records`).
+
+A listing also tells, per kind, whether no part is in two of its files (`Listing.disjoint`): then a
+scan reads the files as they are, without choosing per part the file its rows come from (catalog.py).
+Left out the merged inputs, a part is in two listed files only in these cases, each of which the
+listing sees in the gc directory, read (twice, one read after the other) after the data:
+- a compaction's output renamed in, its tombstone not written yet (or its compactor died): the
+  compactor writes a marker `<kind>~<group>~<uid>.renaming` before the rename and removes it after
+  the tombstone (`compact._merge`), so the listing sees the marker, the tombstone, or neither, and
+  then the tombstone was collected, whose inputs go before it: a listed input deleted before the
+  query fails it (it runs again, listed anew). Two reads because a file written or removed during a
+  directory read may be missed: the marker is there for all of the first, or the tombstone for all of
+  the second, or it is gone with the inputs;
+- two compactions that merged the same inputs (a lock broken while its holder still ran): their
+  tombstones share an input, or the lock breaker's marker `<kind>~<group>~<uid>.suspect` stays;
+- a tombstone without an output (an older batchgen), whose inputs are listed.
 """
 
 from __future__ import annotations
@@ -56,10 +71,13 @@ class Listing:
     # listed iterations files without one (jobs.store.rollups.twins_listed)
     iteration_twins: list[str] = field(default_factory=list)
     iterations_untwinned: list[str] = field(default_factory=list)
+    # kind -> no part of it is in two of its listed files (see the module docstring)
+    disjoint: dict[str, bool] = field(default_factory=dict)
 
     def variable(self) -> dict:
         return {"listed_at": self.listed_at, **self.files, "iteration_twins": self.iteration_twins,
-                "iterations_untwinned": self.iterations_untwinned}
+                "iterations_untwinned": self.iterations_untwinned,
+                "disjoint": {kind: self.disjoint.get(kind, False) for kind in KINDS}}
 
 
 def list_files(layout: Layout, job_id: str | None = None) -> Listing:
@@ -71,8 +89,11 @@ def list_files(layout: Layout, job_id: str | None = None) -> Listing:
     files = {kind: _walk(layout.kind_dir(kind)) if job_id is None or kind not in JOB_KINDS
              else _job_files(layout, kind, job_id) for kind in KINDS}
     listed = {path for paths in files.values() for path in paths}
+    # after the data: a tombstone follows its output (twice: see the module docstring)
+    first, second = gc_records(layout), gc_records(layout)
+    tombstones = {**first.tombstones, **second.tombstones}
     merged: set[str] = set()
-    for output, inputs in merged_files(layout):  # after the data: a tombstone follows its output
+    for output, inputs in tombstones.values():
         if output in listed:
             merged.update(inputs)
     # a kind with no file at all (its `_schema.parquet` gone) keeps its glob: the same error as before
@@ -80,7 +101,52 @@ def list_files(layout: Layout, job_id: str | None = None) -> Listing:
             for kind, paths in files.items()}
     twins, untwinned = rollups.twins_listed(layout, kept[rollups.KIND])
     twins = [str(rollups.schema_file(layout)), *twins]
-    return Listing(listed_at, kept, len(merged & listed), twins, untwinned)
+    overlapping = _overlapping(tombstones.values(), {p for paths in kept.values() for p in paths})
+    renaming, suspect = first.renaming | second.renaming, first.suspect | second.suspect
+    disjoint = {kind: _disjoint(layout, kind, paths, overlapping, renaming, suspect)
+                for kind, paths in kept.items()}
+    return Listing(listed_at, kept, len(merged & listed), twins, untwinned, disjoint)
+
+
+def _overlapping(tombstones, kept: set[str]) -> set[str]:
+    """Listed files that may share a part with another listed file: the outputs of tombstones that share
+    an input, and the listed inputs of a tombstone without an output."""
+    found: set[str] = set()
+    owner: dict[str, str] = {}
+    for output, inputs in tombstones:
+        if output is None:
+            found.update(p for p in inputs if p in kept)
+        elif output in kept:
+            for p in inputs:
+                other = owner.setdefault(p, output)
+                if other != output:
+                    found.update((other, output))
+    return found
+
+
+def _disjoint(layout: Layout, kind: str, paths: list[str], overlapping: set[str],
+              renaming: set[str], suspect: set[tuple[str, str]]) -> bool:
+    """Whether no part of `kind` is in two of `paths` (see the module docstring)."""
+    if any("*" in p for p in paths) or overlapping.intersection(paths):
+        return False
+    if suspect and any((kind, g) in suspect for g in _groups_of(layout, kind, paths)):
+        return False
+    return not renaming or not any(_compacted_uid(p) in renaming for p in paths)
+
+
+def _groups_of(layout: Layout, kind: str, paths: list[str]) -> set[str]:
+    """The groups (job, worker, sweep directories) that `paths` of `kind` are in."""
+    base = str(layout.kind_dir(kind)) + os.sep
+    return {rel.split(os.sep)[1] for p in paths if p.startswith(base)
+            for rel in [p[len(base):]] if rel.count(os.sep) >= 2}
+
+
+def _compacted_uid(path: str) -> str | None:
+    """The uid in a compacted file's name (`c<16 digits>~<uid>.parquet`), else None."""
+    name = os.path.basename(path)
+    if not (name.startswith("c") and name.endswith(".parquet") and "~" in name):
+        return None
+    return name[:-len(".parquet")].split("~", 1)[1]
 
 
 def _job_files(layout: Layout, kind: str, job_id: str) -> list[str]:
@@ -114,6 +180,38 @@ def _walk(directory: Path) -> list[str]:
 # tombstone path -> (its output, its inputs), absolute; a tombstone is written once, atomically
 _TOMBSTONES: dict[str, tuple[str | None, tuple[str, ...]]] = {}
 _TOMBSTONES_LOCK = threading.Lock()
+RENAMING_SUFFIX = ".renaming"  # <kind>~<group>~<uid>.renaming: an output renamed in before its tombstone
+SUSPECT_SUFFIX = ".suspect"  # <kind>~<group>~<uid>.suspect: a group whose lock was broken while held
+
+
+@dataclass(frozen=True)
+class GcRecords:
+    """What one read of the gc directory found (see the module docstring)."""
+
+    tombstones: dict[str, tuple[str | None, tuple[str, ...]]]  # path -> (output, inputs), absolute
+    renaming: set[str]  # uids of compaction outputs whose tombstone was not written yet
+    suspect: set[tuple[str, str]]  # (kind, group) that two compactors may have merged alike
+
+
+def gc_records(layout: Layout) -> GcRecords:
+    """One read of the gc directory: its tombstones (each read once per process) and its markers."""
+    try:
+        with os.scandir(layout.gc) as entries:
+            names = [e.name for e in entries]
+    except FileNotFoundError:
+        names = []
+    renaming, suspect = set(), set()
+    for name in names:
+        for suffix, found in ((RENAMING_SUFFIX, renaming), (SUSPECT_SUFFIX, suspect)):
+            if name.endswith(suffix):
+                kind, group, uid = (name[:-len(suffix)].split("~") + ["", ""])[:3]
+                found.add(uid if suffix == RENAMING_SUFFIX else (kind, group))
+    tombstones = _read_tombstones(layout, [os.path.join(layout.gc, n) for n in names if n.endswith(".json")])
+    return GcRecords(tombstones, renaming, suspect)
+
+
+def marker_name(kind: str, group: str, uid: str, suffix: str) -> str:
+    return f"{kind}~{group}~{uid}{suffix}"
 
 
 def read_tombstone(path: Path) -> dict | None:
@@ -124,16 +222,10 @@ def read_tombstone(path: Path) -> dict | None:
         return None
 
 
-def merged_files(layout: Layout) -> list[tuple[str | None, tuple[str, ...]]]:
-    """(output, inputs) of every compaction whose tombstone is in the data dir now, as absolute paths;
-    the output is None in a tombstone written before they named it. Each tombstone is read once per
-    process."""
+def _read_tombstones(layout: Layout, names: list[str]) -> dict[str, tuple[str | None, tuple[str, ...]]]:
+    """path -> (output, inputs) of the tombstones `names` (paths in the gc directory) still there."""
     gc_dir = str(layout.gc)
-    try:
-        names = [e.path for e in os.scandir(gc_dir) if e.name.endswith(".json")]
-    except FileNotFoundError:
-        return []
-    out = []
+    out = {}
     with _TOMBSTONES_LOCK:
         for gone in set(_TOMBSTONES).difference(names):
             if os.path.dirname(gone) == gc_dir:
@@ -148,7 +240,7 @@ def merged_files(layout: Layout) -> list[tuple[str | None, tuple[str, ...]]]:
                 found = (None if output is None else str(layout.file(output)),
                          tuple(str(layout.file(p)) for p in info["files"]))
                 _TOMBSTONES[name] = found
-            out.append(found)
+            out[name] = found
     return out
 
 

@@ -7,13 +7,14 @@ import json
 import os
 import random
 import time
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from benchmarks.store_queries import main as bench_main
-from jobs.store import catalog
+from jobs.store import catalog, listing
 from jobs.store.catalog import connect
 from jobs.store.compact import collect_garbage, compact, compact_group, compact_job, compact_telemetry
 from jobs.store.layout import Layout, StoreError
@@ -308,8 +309,7 @@ def test_a_pinned_listings_scans_take_each_part_once(tmp_path, monkeypatch, pinn
 
     assert running() == [1, 1, 1, 1]
     compact_telemetry(tmp_path, min_age_s=0)
-    for tomb in store.layout.gc.glob("*.json"):
-        tomb.unlink()  # as if the compactor died between its rename and its tombstone
+    _died_before_its_tombstone(store.layout)
     raw = sorted((store.layout.kind_dir("iterations") / "raw" / "w1").glob("*.parquet"))
     assert len(raw) == 4
     for p in raw:  # mark the raw parts' rows
@@ -325,6 +325,16 @@ def test_a_pinned_listings_scans_take_each_part_once(tmp_path, monkeypatch, pinn
     (hidden / raw[0].name).rename(raw[0])
     time.sleep(1.6)
     assert running() == [1, 1, 1, 1]  # active: the compacted file in place of every part
+
+
+def _died_before_its_tombstone(layout) -> None:
+    """Leave the gc directory as a compactor that died between its rename and its tombstone would: no
+    tombstone, its `.renaming` marker (which the listing reads as "this output's inputs may be listed")."""
+    for tomb in layout.gc.glob("*.json"):
+        info = json.loads(tomb.read_text())
+        uid = Path(info["output"]).name[:-len(".parquet")].split("~", 1)[1]
+        (layout.gc / listing.marker_name(info["kind"], info["group"], uid, listing.RENAMING_SUFFIX)).touch()
+        tomb.unlink()
 
 
 def _iterations(data_dir, pinned: bool) -> list:

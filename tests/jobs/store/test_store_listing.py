@@ -66,7 +66,7 @@ def test_the_commit_fence_is_the_listing_time_not_the_query_start(tmp_path, monk
     _commit_shard(store, "job-f", 0)
     files = list_files(store.layout)
     assert any("commits" in p for p in files.files["commits"] if "/raw/" in p)
-    con.execute(f"SET VARIABLE {LISTING_VARIABLE} = $1", [{**files.files, "listed_at": listed_at}])
+    con.execute(f"SET VARIABLE {LISTING_VARIABLE} = $1", [{**files.variable(), "listed_at": listed_at}])
     assert _rows(con) == (0, [(0,)])
     con.execute(f"SET VARIABLE {LISTING_VARIABLE} = $1", [files.variable()])
     assert _rows(con) == (2, [(1,)])
@@ -78,7 +78,8 @@ def test_a_listing_older_than_its_max_age_is_not_used(tmp_path):
     store.record_job(JobRecord("job-o", "tiny", 2, 1, time.time()))
     _commit_shard(store, "job-o", 0)
     con = connect(tmp_path)
-    schema_only = {kind: [str(store.layout.kind_dir(kind) / "_schema.parquet")] for kind in KINDS}
+    schema_only = listing.Listing(0.0, {kind: [str(store.layout.kind_dir(kind) / "_schema.parquet")]
+                                        for kind in KINDS}, 0).variable()
     con.execute(f"SET VARIABLE {LISTING_VARIABLE} = $1", [{**schema_only, "listed_at": time.time()}])
     assert _rows(con) == (0, [])  # a young listing is what the views read
     old = time.time() - listing.MAX_AGE_S - 1

@@ -1,0 +1,206 @@
+"""A listing that tells which kinds hold each part in one file only (`Listing.disjoint`), so that their
+scans read the files as they are: when it says so, when it must not (each way a part can be in two
+listed files), that the views then still count each row once, and the markers' garbage collection."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.store import catalog, listing
+from jobs.store.catalog import connect
+from jobs.store.compact import collect_garbage, compact_group, compact_job
+from jobs.store.listing import LISTING_VARIABLE, RENAMING_SUFFIX, SUSPECT_SUFFIX, list_files, marker_name, pin
+from jobs.store.parts import Store
+from jobs.store.schemas import KINDS, JobRecord
+
+compact = importlib.import_module("jobs.store.compact")  # (the package's `compact` is the function)
+
+SHARDS, ROWS = 3, 2  # rows per flush; two flushes per shard
+
+
+@pytest.fixture(autouse=True)
+def compacted_files_count_at_once(monkeypatch):
+    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)
+
+
+def _fill(store: Store, job_id: str = "job-d") -> None:
+    store.record_job(JobRecord(job_id, "tiny", SHARDS * 2 * ROWS, SHARDS, time.time()))
+    for shard in range(SHARDS):
+        att = store.begin_attempt(job_id, shard, 1, "w")
+        for flush in range(2):
+            att.add_outputs([{"request_id": f"{shard}-{flush}-{i}", "output_text": "o",
+                              "finish_reason": "stop", "prompt_tokens": 1, "output_tokens": 1, "error": None}
+                             for i in range(ROWS)])
+            att.flush()
+        att.commit()
+
+
+def _counts(data_dir, variable: dict | None = None) -> tuple:
+    """(output rows, commits, shard events, completed shards) over a listing pinned now, or over
+    `variable` as the pinned listing."""
+    con = connect(data_dir)
+    try:
+        if variable is None:
+            pin(con)
+        else:
+            con.execute(f"SET VARIABLE {LISTING_VARIABLE} = $1", [variable])
+        return (con.execute("SELECT count(*) FROM outputs").fetchone()[0],
+                con.execute("SELECT count(*) FROM _bg.scan_commits").fetchone()[0],
+                con.execute("SELECT count(*) FROM _bg.scan_shard_events").fetchone()[0],
+                con.execute("SELECT shards_completed FROM jobs").fetchone()[0])
+    finally:
+        con.close()
+
+
+def _output_uid(layout, tomb: Path) -> tuple[dict, str]:
+    info = json.loads(tomb.read_text())
+    return info, Path(info["output"]).name[:-len(".parquet")].split("~", 1)[1]
+
+
+def test_raw_and_compacted_stores_are_disjoint_and_answer_alike(tmp_path):
+    store = Store(tmp_path)
+    _fill(store)
+    before = _counts(tmp_path)
+    assert before[0] == SHARDS * 2 * ROWS and before[3] == SHARDS
+    assert all(list_files(store.layout).disjoint[kind] for kind in KINDS)
+    assert compact_job(tmp_path, "job-d").groups > 0
+    found = list_files(store.layout)
+    assert found.left_out > 0 and all(found.disjoint[kind] for kind in KINDS)
+    assert _counts(tmp_path) == before
+    assert not list(store.layout.gc.glob(f"*{RENAMING_SUFFIX}"))  # each removed with its tombstone
+
+
+def test_the_views_read_files_as_they_are_only_where_the_listing_says_so(tmp_path):
+    """The flag is what the scans go by: over a listing of a compaction's inputs beside its output
+    (its tombstone gone, its marker too: a state no compactor leaves), a kind called disjoint counts
+    their rows twice, and one that is not, once."""
+    store = Store(tmp_path)
+    _fill(store)
+    before = _counts(tmp_path)
+    compact_job(tmp_path, "job-d")
+    for tomb in store.layout.gc.glob("*.json"):
+        tomb.unlink()
+    found = list_files(store.layout)
+    assert found.left_out == 0
+    honest, lying = found.variable(), found.variable()
+    honest["disjoint"] = {kind: False for kind in KINDS}
+    lying["disjoint"] = {kind: True for kind in KINDS}
+    assert _counts(tmp_path, honest) == before
+    assert _counts(tmp_path, lying)[:3] == tuple(2 * n for n in before[:3])
+
+
+def test_an_output_renamed_in_before_its_tombstone_keeps_its_kind_chosen_part_by_part(tmp_path, monkeypatch):
+    """A compactor that dies between its rename and its tombstone leaves its `.renaming` marker: the
+    kinds whose groups it merged are not disjoint until a later compaction merges its output."""
+    store = Store(tmp_path)
+    _fill(store)
+    before = _counts(tmp_path)
+
+    def die(*args, **kwargs):
+        raise OSError("killed before the tombstone")
+
+    monkeypatch.setattr(compact, "_write_tombstone", die)
+    with pytest.raises(OSError, match="killed before the tombstone"):
+        compact_group(store.layout, "outputs", "job-d")
+    monkeypatch.undo()
+    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)
+    [marker] = store.layout.gc.glob(f"*{RENAMING_SUFFIX}")
+    assert marker.name.startswith("outputs~job-d~")
+    found = list_files(store.layout)
+    assert not found.disjoint["outputs"] and found.disjoint["commits"]
+    assert any("/compacted/" in p for p in found.files["outputs"])
+    assert _counts(tmp_path) == before
+    compact_group(store.layout, "outputs", "job-d")  # merges the orphaned output with its inputs
+    found = list_files(store.layout)
+    assert found.disjoint["outputs"] and _counts(tmp_path) == before
+
+
+def test_two_compactions_of_the_same_inputs_are_not_disjoint(tmp_path):
+    """Two outputs of the same inputs (a lock broken while its holder ran): their tombstones share an
+    input, so the listing keeps choosing part by part."""
+    store = Store(tmp_path)
+    _fill(store)
+    before = _counts(tmp_path)
+    layout = store.layout
+    inputs = sorted((layout.kind_dir("outputs") / "raw" / "job-d").glob("*.parquet"))
+    for _ in range(2):
+        _, output = compact._merge(layout, "outputs", inputs, layout.compacted_dir("outputs", "job-d"))
+        compact._write_tombstone(layout, "outputs", "job-d", inputs, output)
+    found = list_files(store.layout)
+    assert len([p for p in found.files["outputs"] if "/compacted/" in p]) == 2
+    assert not found.disjoint["outputs"] and found.disjoint["commits"]
+    assert _counts(tmp_path) == before
+
+
+def test_a_lock_broken_while_its_holder_may_run_marks_the_group(tmp_path):
+    store = Store(tmp_path)
+    _fill(store)
+    lock = store.layout.locks / "outputs~job-d.lock"
+    lock.write_text("other-host 1234\n")  # a holder this host cannot see: broken only once stale
+    old = time.time() - compact.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert compact_group(store.layout, "outputs", "job-d").groups == 1
+    [suspect] = store.layout.gc.glob(f"*{SUSPECT_SUFFIX}")
+    assert suspect.name.startswith("outputs~job-d~")
+    found = list_files(store.layout)
+    assert not found.disjoint["outputs"] and found.disjoint["commits"]
+    _fill(store, "job-e")  # another job's groups are not marked
+    assert not list_files(store.layout, job_id="job-d").disjoint["outputs"]
+    assert list_files(store.layout, job_id="job-e").disjoint["outputs"]
+
+
+def test_a_dead_holder_on_this_host_leaves_no_suspect_marker(tmp_path):
+    store = Store(tmp_path)
+    _fill(store)
+    lock = store.layout.locks / "outputs~job-d.lock"
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    lock.write_text(f"{socket.gethostname()} {gone} {time.time()}\n")
+    assert compact_group(store.layout, "outputs", "job-d").groups == 1
+    assert not list(store.layout.gc.glob(f"*{SUSPECT_SUFFIX}"))
+    assert list_files(store.layout).disjoint["outputs"]
+
+
+def test_a_tombstone_without_an_output_keeps_its_listed_inputs_chosen(tmp_path):
+    """Tombstones written before they named their output leave their inputs listed (listing.py)."""
+    store = Store(tmp_path)
+    _fill(store)
+    before = _counts(tmp_path)
+    compact_job(tmp_path, "job-d")
+    for tomb in store.layout.gc.glob("outputs~*.json"):
+        info = json.loads(tomb.read_text())
+        del info["output"]
+        tomb.write_text(json.dumps(info))
+    listing._TOMBSTONES.clear()
+    found = list_files(store.layout)
+    assert not found.disjoint["outputs"] and found.disjoint["commits"]
+    assert _counts(tmp_path) == before
+
+
+def test_stale_renaming_markers_go_once_their_output_is_gone(tmp_path, monkeypatch):
+    store = Store(tmp_path)
+    _fill(store)
+    layout = store.layout
+    compact_job(tmp_path, "job-d")
+    [tomb] = layout.gc.glob("outputs~job-d~*.json")
+    _, uid = _output_uid(layout, tomb)
+    kept = layout.gc / marker_name("outputs", "job-d", uid, RENAMING_SUFFIX)  # its output is in place
+    orphan = layout.gc / marker_name("outputs", "job-d", "0123456789ab", RENAMING_SUFFIX)  # never renamed
+    young = layout.gc / marker_name("outputs", "job-d", "ba9876543210", RENAMING_SUFFIX)
+    old = time.time() - compact.STALE_LOCK_S - 60
+    for marker in (kept, orphan, young):
+        marker.touch()
+    for marker in (kept, orphan):
+        os.utime(marker, (old, old))
+    collect_garbage(tmp_path, grace_s=3600)
+    assert kept.exists() and young.exists() and not orphan.exists()
+    assert not list_files(layout).disjoint["outputs"]  # the marker's output is listed
