@@ -293,9 +293,11 @@ def _stale_markers(layout: Layout, now: float) -> list[Path]:
     collected since): one whose output is still there keeps its group read part by part."""
     stale = []
     for marker in layout.gc.glob(f"*{RENAMING_SUFFIX}"):
-        kind, group, uid = marker.name[:-len(RENAMING_SUFFIX)].split("~")
-        if now - _mtime(marker, now) > STALE_LOCK_S and not any(
-                layout.compacted_dir(kind, group).glob(f"c*~{uid}.parquet")):
+        fields = marker.name[:-len(RENAMING_SUFFIX)].split("~")
+        if len(fields) != 3 or now - _mtime(marker, now) <= STALE_LOCK_S:
+            continue
+        kind, group, uid = fields
+        if not any(layout.compacted_dir(kind, group).glob(f"c*~{uid}.parquet")):
             stale.append(marker)
     return stale
 
