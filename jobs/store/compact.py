@@ -57,6 +57,7 @@ from jobs.store import catalog, rollups
 from jobs.store.catalog import connect, write_catalog
 from jobs.store.layout import Layout, StoreError, check_id, init_data_dir, new_uid, write_atomic
 from jobs.store.listing import (
+    MARKED_UID_PREFIX,
     RENAMING_SUFFIX,
     SUSPECT_SUFFIX,
     execute_listed,
@@ -436,7 +437,8 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path) -> tupl
                         "(FORMAT parquet, COMPRESSION zstd)")
             _fsync(twin_tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
-        uid = new_uid()  # the marker names the output before it is in place (removed with the tombstone)
+        # the marker names the output before it is in place (removed with the tombstone)
+        uid = MARKED_UID_PREFIX + new_uid()
         write_atomic(layout.gc / marker_name(kind, out_dir.name, uid, RENAMING_SUFFIX), b"", layout.tmp)
         output = out_dir / _compacted_name(uid)
         if kind == rollups.KIND:

@@ -34,7 +34,10 @@ listing sees in the gc directory, read (twice, one read after the other) after t
   the second, or it is gone with the inputs;
 - two compactions that merged the same inputs (a lock broken while its holder still ran): their
   tombstones share an input, or the lock breaker's marker `<kind>~<group>~<uid>.suspect` stays;
-- a tombstone without an output (an older batchgen), whose inputs are listed.
+- a tombstone without an output (an older batchgen), whose inputs are listed;
+- a compaction by a batchgen from before the markers, which died between its rename and its tombstone.
+  Its outputs' names lack MARKED_UID_PREFIX; one that no tombstone names, beside other listed files of
+  its group, may be such an output (or one whose tombstone was collected: the listing cannot tell).
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ def list_files(layout: Layout, job_id: str | None = None) -> Listing:
     twins, untwinned = rollups.twins_listed(layout, kept[rollups.KIND])
     twins = [str(rollups.schema_file(layout)), *twins]
     overlapping = _overlapping(tombstones.values(), {p for paths in kept.values() for p in paths})
+    overlapping |= _unmarked_leftovers(layout, kept, {output for output, _ in tombstones.values()})
     renaming, suspect = first.renaming | second.renaming, first.suspect | second.suspect
     disjoint = {kind: _disjoint(layout, kind, paths, overlapping, renaming, suspect)
                 for kind, paths in kept.items()}
@@ -124,6 +128,24 @@ def _overlapping(tombstones, kept: set[str]) -> set[str]:
     return found
 
 
+def _unmarked_leftovers(layout: Layout, kept: dict[str, list[str]], outputs: set[str | None]) -> set[str]:
+    """Compacted files written before the markers (their uid lacks MARKED_UID_PREFIX) that no tombstone
+    names and that share their group with other listed files: each may be the output of a compaction
+    that died before its tombstone, beside its inputs. Alone in its group (a finished job compacted
+    whole), such a file holds each of its parts once."""
+    found: set[str] = set()
+    for kind, paths in kept.items():
+        unmarked = [p for p in paths if p not in outputs and _unmarked(p)]
+        if not unmarked:
+            continue
+        per_group: dict[str, int] = {}
+        for p in paths:
+            group = _group_of(layout, kind, p)
+            per_group[group] = per_group.get(group, 0) + 1
+        found.update(p for p in unmarked if per_group.get(_group_of(layout, kind, p), 0) > 1)
+    return found
+
+
 def _disjoint(layout: Layout, kind: str, paths: list[str], overlapping: set[str],
               renaming: set[str], suspect: set[tuple[str, str]]) -> bool:
     """Whether no part of `kind` is in two of `paths` (see the module docstring)."""
@@ -136,9 +158,22 @@ def _disjoint(layout: Layout, kind: str, paths: list[str], overlapping: set[str]
 
 def _groups_of(layout: Layout, kind: str, paths: list[str]) -> set[str]:
     """The groups (job, worker, sweep directories) that `paths` of `kind` are in."""
+    return {g for g in (_group_of(layout, kind, p) for p in paths) if g is not None}
+
+
+def _group_of(layout: Layout, kind: str, path: str) -> str | None:
+    """The group of a part file of `kind` (raw/<group>/... or compacted/<group>/...), else None."""
     base = str(layout.kind_dir(kind)) + os.sep
-    return {rel.split(os.sep)[1] for p in paths if p.startswith(base)
-            for rel in [p[len(base):]] if rel.count(os.sep) >= 2}
+    if not path.startswith(base):
+        return None
+    rel = path[len(base):].split(os.sep)
+    return rel[1] if len(rel) >= 3 else None
+
+
+def _unmarked(path: str) -> bool:
+    """Whether `path` is a compacted file named by a compactor from before the markers."""
+    uid = _compacted_uid(path)
+    return uid is not None and not uid.startswith(MARKED_UID_PREFIX)
 
 
 def _compacted_uid(path: str) -> str | None:
@@ -181,6 +216,9 @@ def _walk(directory: Path) -> list[str]:
 _TOMBSTONES: dict[str, tuple[str | None, tuple[str, ...]]] = {}
 _TOMBSTONES_LOCK = threading.Lock()
 RENAMING_SUFFIX = ".renaming"  # <kind>~<group>~<uid>.renaming: an output renamed in before its tombstone
+# the uids of compaction outputs named by a compactor that writes the markers start with this (new_uid()
+# is hex: an older compactor's never do)
+MARKED_UID_PREFIX = "m"
 SUSPECT_SUFFIX = ".suspect"  # <kind>~<group>~<uid>.suspect: a group whose lock was broken while held
 
 

@@ -204,3 +204,43 @@ def test_stale_renaming_markers_go_once_their_output_is_gone(tmp_path, monkeypat
     collect_garbage(tmp_path, grace_s=3600)
     assert kept.exists() and young.exists() and not orphan.exists()
     assert not list_files(layout).disjoint["outputs"]  # the marker's output is listed
+
+
+def _unmark(path: Path) -> Path:
+    """The name an older compactor (before the markers) would have given a compacted file."""
+    c, uid = path.name[:-len(".parquet")].split("~", 1)
+    assert uid.startswith(listing.MARKED_UID_PREFIX)
+    return path.rename(path.with_name(f"{c}~{uid[len(listing.MARKED_UID_PREFIX):]}.parquet"))
+
+
+def test_an_older_compactors_output_without_a_tombstone_is_trusted_only_alone_in_its_group(tmp_path,
+                                                                                           monkeypatch):
+    """A compactor from before the markers that died between its rename and its tombstone left its output
+    beside its inputs and no marker: an unmarked compacted file no tombstone names is not trusted while
+    other files of its group are listed; alone (a finished job compacted whole), it is."""
+    store = Store(tmp_path)
+    _fill(store)
+    before = _counts(tmp_path)
+    monkeypatch.setattr(compact, "_write_tombstone", lambda *a, **k: None)  # died before it
+    compact_group(store.layout, "outputs", "job-d")
+    monkeypatch.undo()
+    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)
+    for marker in store.layout.gc.glob(f"*{RENAMING_SUFFIX}"):
+        marker.unlink()  # an older compactor wrote none
+    [output] = (store.layout.kind_dir("outputs") / "compacted" / "job-d").glob("*.parquet")
+    old = _unmark(output)
+    found = list_files(store.layout)
+    assert not found.disjoint["outputs"] and found.disjoint["commits"]
+    assert _counts(tmp_path) == before
+    for raw in (store.layout.kind_dir("outputs") / "raw" / "job-d").glob("*.parquet"):
+        raw.unlink()  # its inputs collected (its tombstone with them): the file alone in its group
+    assert list_files(store.layout).disjoint["outputs"] and old.exists()
+    assert _counts(tmp_path) == before
+
+
+def test_new_compacted_files_carry_the_marked_uid(tmp_path):
+    store = Store(tmp_path)
+    _fill(store)
+    compact_job(tmp_path, "job-d")
+    names = [p.name for p in store.layout.store.joinpath("tables").rglob("compacted/*/*.parquet")]
+    assert names and all(n.split("~", 1)[1].startswith(listing.MARKED_UID_PREFIX) for n in names)
