@@ -16,6 +16,7 @@ import sys
 import time
 
 import duckdb
+import pyarrow.parquet as pq
 import pytest
 
 from engine.stats import IterationStats
@@ -245,3 +246,32 @@ def test_telemetry_groups_share_one_budget_of_raw_parts(tmp_path, monkeypatch):
         assert con.execute("SELECT count(*), count(DISTINCT worker_id) FROM iterations").fetchone() == (15, 3)
     finally:
         con.close()
+
+
+def test_writers_merge_outputs_unsorted_and_the_janitor_sorts_them(tmp_path, counts_at_once, monkeypatch):
+    """A writer's merge of outputs skips the sort (`_UNSORTED_BY_WRITERS`: the text makes it most of the
+    merge), every other kind's is sorted, every row stays once; the finished job's compaction writes its
+    outputs sorted by shard."""
+    merges = []
+    real = compact_mod._merge
+
+    def spy(layout, kind, inputs, out_dir, *, sort=True):
+        merges.append((kind, sort))
+        return real(layout, kind, inputs, out_dir, sort=sort)
+
+    monkeypatch.setattr(compact_mod, "_merge", spy)
+    monkeypatch.setattr(compact_mod, "LIVE_GRACE_S", 3600.0)  # every input kept: compare with them alone
+    data = tmp_path / "data"
+    store = Store(data)
+    _new_job(store)
+    _write(store, random.Random(5), range(24))
+    assert ("outputs", False) in merges and ("requests", True) in merges
+    assert all(sort for kind, sort in merges if kind != "outputs")
+    assert _answers(data) == _without_compaction(data, tmp_path / "copy")
+    merges.clear()
+    compact_mod.compact_job(data, JOB, force=True)
+    assert ("outputs", True) in merges and all(sort for _, sort in merges)
+    assert _answers(data) == _without_compaction(data, tmp_path / "copy2")
+    [final] = _live_compacted(store.layout, "outputs")
+    shards = pq.read_table(final, columns=["_bg_shard_id"]).column(0).to_pylist()
+    assert shards == sorted(shards) and len(set(shards)) > 1
