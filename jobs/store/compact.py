@@ -60,8 +60,10 @@ from jobs.store.listing import (
     MARKED_UID_PREFIX,
     RENAMING_SUFFIX,
     SUSPECT_SUFFIX,
+    compacted_uid,
     execute_listed,
     marker_name,
+    parse_marker,
     read_tombstone,
 )
 from jobs.store.schemas import JOB_KINDS
@@ -300,8 +302,8 @@ def _stale_markers(layout: Layout, now: float) -> list[Path]:
     collected since): one whose output is still there keeps its group read part by part."""
     stale = []
     for marker in layout.gc.glob(f"*{RENAMING_SUFFIX}"):
-        fields = marker.name[:-len(RENAMING_SUFFIX)].split("~")
-        if len(fields) != 3 or now - _mtime(marker, now) <= STALE_LOCK_S:
+        fields = parse_marker(marker.name, RENAMING_SUFFIX)
+        if fields is None or now - _mtime(marker, now) <= STALE_LOCK_S:
             continue
         kind, group, uid = fields
         if not any(layout.compacted_dir(kind, group).glob(f"c*~{uid}.parquet")):
@@ -484,8 +486,7 @@ def _write_tombstone(layout: Layout, kind: str, group: str, inputs: list[Path], 
     if grace_s is not None:  # shorter than collect_garbage's (a running job's parts: LIVE_GRACE_S)
         body["grace_s"] = grace_s
     write_atomic(layout.gc / f"{kind}~{group}~{new_uid()}.json", json.dumps(body).encode(), layout.tmp)
-    uid = output.name[:-len(".parquet")].split("~", 1)[1]
-    (layout.gc / marker_name(kind, group, uid, RENAMING_SUFFIX)).unlink(missing_ok=True)
+    (layout.gc / marker_name(kind, group, compacted_uid(output), RENAMING_SUFFIX)).unlink(missing_ok=True)
 
 
 @contextmanager

@@ -138,11 +138,11 @@ def _unmarked_leftovers(layout: Layout, kept: dict[str, list[str]], outputs: set
         unmarked = [p for p in paths if p not in outputs and _unmarked(p)]
         if not unmarked:
             continue
-        per_group: dict[str, int] = {}
-        for p in paths:
-            group = _group_of(layout, kind, p)
+        groups = _groups_of(layout, kind, paths)
+        per_group: dict[str | None, int] = {}
+        for group in groups.values():
             per_group[group] = per_group.get(group, 0) + 1
-        found.update(p for p in unmarked if per_group.get(_group_of(layout, kind, p), 0) > 1)
+        found.update(p for p in unmarked if per_group[groups[p]] > 1)
     return found
 
 
@@ -151,32 +151,29 @@ def _disjoint(layout: Layout, kind: str, paths: list[str], overlapping: set[str]
     """Whether no part of `kind` is in two of `paths` (see the module docstring)."""
     if any("*" in p for p in paths) or overlapping.intersection(paths):
         return False
-    if suspect and any((kind, g) in suspect for g in _groups_of(layout, kind, paths)):
+    if suspect and any((kind, g) in suspect for g in _groups_of(layout, kind, paths).values()):
         return False
-    return not renaming or not any(_compacted_uid(p) in renaming for p in paths)
+    return not renaming or not any(compacted_uid(p) in renaming for p in paths)
 
 
-def _groups_of(layout: Layout, kind: str, paths: list[str]) -> set[str]:
-    """The groups (job, worker, sweep directories) that `paths` of `kind` are in."""
-    return {g for g in (_group_of(layout, kind, p) for p in paths) if g is not None}
-
-
-def _group_of(layout: Layout, kind: str, path: str) -> str | None:
-    """The group of a part file of `kind` (raw/<group>/... or compacted/<group>/...), else None."""
+def _groups_of(layout: Layout, kind: str, paths: list[str]) -> dict[str, str | None]:
+    """path -> the group (job, worker, sweep directory) of each of `paths` of `kind`: raw/<group>/... or
+    compacted/<group>/...; None for a file of no group (`_schema.parquet`)."""
     base = str(layout.kind_dir(kind)) + os.sep
-    if not path.startswith(base):
-        return None
-    rel = path[len(base):].split(os.sep)
-    return rel[1] if len(rel) >= 3 else None
+    out: dict[str, str | None] = {}
+    for path in paths:
+        rel = path[len(base):].split(os.sep) if path.startswith(base) else []
+        out[path] = rel[1] if len(rel) >= 3 else None
+    return out
 
 
 def _unmarked(path: str) -> bool:
     """Whether `path` is a compacted file named by a compactor from before the markers."""
-    uid = _compacted_uid(path)
+    uid = compacted_uid(path)
     return uid is not None and not uid.startswith(MARKED_UID_PREFIX)
 
 
-def _compacted_uid(path: str) -> str | None:
+def compacted_uid(path: str | os.PathLike) -> str | None:
     """The uid in a compacted file's name (`c<16 digits>~<uid>.parquet`), else None."""
     name = os.path.basename(path)
     if not (name.startswith("c") and name.endswith(".parquet") and "~" in name):
@@ -240,16 +237,24 @@ def gc_records(layout: Layout) -> GcRecords:
         names = []
     renaming, suspect = set(), set()
     for name in names:
-        for suffix, found in ((RENAMING_SUFFIX, renaming), (SUSPECT_SUFFIX, suspect)):
-            if name.endswith(suffix):
-                kind, group, uid = (name[:-len(suffix)].split("~") + ["", ""])[:3]
-                found.add(uid if suffix == RENAMING_SUFFIX else (kind, group))
+        if (marker := parse_marker(name, RENAMING_SUFFIX)) is not None:
+            renaming.add(marker[2])
+        elif (marker := parse_marker(name, SUSPECT_SUFFIX)) is not None:
+            suspect.add(marker[:2])
     tombstones = _read_tombstones(layout, [os.path.join(layout.gc, n) for n in names if n.endswith(".json")])
     return GcRecords(tombstones, renaming, suspect)
 
 
 def marker_name(kind: str, group: str, uid: str, suffix: str) -> str:
     return f"{kind}~{group}~{uid}{suffix}"
+
+
+def parse_marker(name: str, suffix: str) -> tuple[str, str, str] | None:
+    """(kind, group, uid) of a marker named `marker_name(..., suffix)`, else None."""
+    if not name.endswith(suffix):
+        return None
+    fields = name[:-len(suffix)].split("~")
+    return (fields[0], fields[1], fields[2]) if len(fields) == 3 else None
 
 
 def read_tombstone(path: Path) -> dict | None:

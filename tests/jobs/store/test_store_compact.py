@@ -7,7 +7,6 @@ import json
 import os
 import random
 import time
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -332,7 +331,7 @@ def _died_before_its_tombstone(layout) -> None:
     tombstone, its `.renaming` marker (which the listing reads as "this output's inputs may be listed")."""
     for tomb in layout.gc.glob("*.json"):
         info = json.loads(tomb.read_text())
-        uid = Path(info["output"]).name[:-len(".parquet")].split("~", 1)[1]
+        uid = listing.compacted_uid(info["output"])
         (layout.gc / listing.marker_name(info["kind"], info["group"], uid, listing.RENAMING_SUFFIX)).touch()
         tomb.unlink()
 

@@ -63,7 +63,7 @@ def _counts(data_dir, variable: dict | None = None) -> tuple:
 
 def _output_uid(layout, tomb: Path) -> tuple[dict, str]:
     info = json.loads(tomb.read_text())
-    return info, Path(info["output"]).name[:-len(".parquet")].split("~", 1)[1]
+    return info, listing.compacted_uid(info["output"])
 
 
 def test_raw_and_compacted_stores_are_disjoint_and_answer_alike(tmp_path):
