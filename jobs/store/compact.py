@@ -10,7 +10,8 @@ one worker (iterations) or one sweep. Compacting a group:
 3. records the merged inputs (relative to the data dir) in a tombstone under `store/gc/`, and deletes
    nothing. A marker `store/gc/<kind>~<group>~<uid>.renaming` is there from before the rename until
    the tombstone is written, so that readers know an output whose inputs they may still list
-   (`listing.list_files`); a lock broken while its holder may still run leaves a `.suspect` marker.
+   (`listing.list_files`); a lock broken while its holder may still run leaves a `.suspect` marker,
+   which keeps the group's kind read part by part until the janitor settles it (`settle_suspects`).
 
 Readers stay correct at every instant (catalog.py explains the rule): a compacted file counts only
 `ACTIVATION_DELAY_S` after its rename, and then its rows replace those of the parts it merged; until
@@ -62,6 +63,7 @@ from jobs.store.listing import (
     SUSPECT_SUFFIX,
     compacted_uid,
     execute_listed,
+    files_disjoint,
     marker_name,
     parse_marker,
     read_tombstone,
@@ -70,6 +72,10 @@ from jobs.store.schemas import JOB_KINDS
 
 GRACE_S = 600.0  # inputs of a compaction are deleted this long after it
 STALE_LOCK_S = 900.0  # a lock older than this belongs to a dead compactor
+# a `.suspect` marker whose holder ran on another host is settled this long after the lock was broken:
+# a compactor still running a day after its lock went stale is taken for dead (one on this host is
+# settled as soon as its process is gone)
+SUSPECT_MAX_AGE_S = 86400.0
 TMP_MAX_AGE_S = 3600.0  # temporary files older than this belong to dead writers
 TERMINAL = ("completed", "failed", "cancelled")
 LIVE_MIN_PARTS = 64  # a running job's group is compacted once this many of its raw parts are old enough
@@ -151,6 +157,7 @@ def compact(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S,
     for job_id in sorted(set().union(*(_groups(layout, kind) for kind in JOB_KINDS)) - set(finished)):
         report.add(compact_live_job(layout.root, job_id, min_age_s=min_age_s))
     report.add(compact_telemetry(layout.root, min_age_s=min_age_s))
+    report.add(settle_suspects(layout.root))
     report.deleted += collect_garbage(layout.root, grace_s=grace_s)
     write_catalog(layout.root)
     return report
@@ -273,6 +280,45 @@ def compact_group(layout: Layout, kind: str, group: str, *, min_age_s: float = 0
         _write_tombstone(layout, kind, group, inputs, output, grace_s=grace_s)
         report.groups, report.files_in = 1, len(inputs)
     return report
+
+
+def settle_suspects(data_dir: str | os.PathLike, *, now: float | None = None) -> CompactionReport:
+    """Settle the `.suspect` markers whose lock holder is gone (see SUSPECT_MAX_AGE_S): merge every file
+    of the group that no compaction merged yet into one, each part once (the marker makes the merge
+    deduplicate: listing.files_disjoint), then remove the marker. Outputs of the same inputs by the holder
+    and by the lock breaker are then merged inputs, left out of every listing, and the kind's scans read
+    its files as they are again."""
+    layout = init_data_dir(data_dir)
+    now = time.time() if now is None else now
+    report = CompactionReport()
+    for marker in sorted(layout.gc.glob(f"*{SUSPECT_SUFFIX}")):
+        fields = parse_marker(marker.name, SUSPECT_SUFFIX)
+        if fields is None or not _suspect_settled(marker, now):
+            continue
+        kind, group, _ = fields
+        with _group_lock(layout, kind, group) as locked:
+            if not locked:
+                report.skipped.append(f"{kind}/{group}: another compactor holds the lock")
+                continue
+            inputs = _inputs(layout, kind, group, 0.0)
+            if len(inputs) > 1:  # one file holds each of its parts once (it was merged deduplicating)
+                rows, output = _merge(layout, kind, inputs, layout.compacted_dir(kind, group))
+                _write_tombstone(layout, kind, group, inputs, output)
+                report.add(CompactionReport(groups=1, files_in=len(inputs), rows=rows))
+            marker.unlink(missing_ok=True)
+    return report
+
+
+def _suspect_settled(marker: Path, now: float) -> bool:
+    """Whether the holder of the lock a `.suspect` marker was written for is gone: its process on this
+    host no longer runs, or the marker is older than SUSPECT_MAX_AGE_S (another host, or a marker that
+    does not say)."""
+    if now - _mtime(marker, now) > SUSPECT_MAX_AGE_S:
+        return True
+    try:
+        return _process_gone(marker.read_text())
+    except FileNotFoundError:
+        return False
 
 
 def collect_garbage(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S) -> int:
@@ -418,15 +464,21 @@ def _compacted_name(uid: str) -> str:
 
 def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path, *,
            sort: bool = True) -> tuple[int, Path]:
-    """Write the deduplicated union of `inputs` into out_dir (temp name, then rename), in the kind's order
-    (`_SORT`) unless not `sort`; (rows written, the file)."""
+    """Write the deduplicated union of `inputs` (files of one group, its lock held) into out_dir (temp
+    name, then rename), in the kind's order (`_SORT`) unless not `sort`; (rows written, the file)."""
     files = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in inputs) + "]"
     order = f" ORDER BY {_SORT[kind]}" if sort and kind in _SORT else ""
     tmp = layout.tmp / f"{new_uid()}.compacted.tmp"
     twin_tmp = layout.tmp / f"{new_uid()}.rollups.tmp"
-    select = (f"SELECT * EXCLUDE (_bg_file) FROM read_parquet({files}, union_by_name = true, "
-              "hive_partitioning = false, filename = '_bg_file') "
-              f"QUALIFY _bg_file = min(_bg_file) OVER (PARTITION BY _bg_part){order}")
+    if files_disjoint(layout, kind, [str(p) for p in inputs]):
+        # no part is in two inputs (listing.files_disjoint): their union is already deduplicated, and
+        # without the window over every row an unsorted merge streams (about a fifth of a merge's time)
+        select = (f"SELECT * FROM read_parquet({files}, union_by_name = true, hive_partitioning = false)"
+                  f"{order}")
+    else:  # a part in two inputs is taken from one of them
+        select = (f"SELECT * EXCLUDE (_bg_file) FROM read_parquet({files}, union_by_name = true, "
+                  "hive_partitioning = false, filename = '_bg_file') "
+                  f"QUALIFY _bg_file = min(_bg_file) OVER (PARTITION BY _bg_part){order}")
     spill = layout.tmp / f"{new_uid()}.spill"
     uid = None
     con = duckdb.connect(":memory:", config={"memory_limit": MERGE_MEMORY_LIMIT,
@@ -494,10 +546,12 @@ def _group_lock(layout: Layout, kind: str, group: str) -> Iterator[bool]:
     """Yield True holding the group's lock, False when another live process holds it."""
     path = layout.locks / f"{kind}~{group}.lock"
     fd = _try_lock(path)
-    gone = fd is None and _holder_gone(path)
+    holder = _read(path) if fd is None else ""
+    gone = fd is None and _process_gone(holder)
     if fd is None and (gone or time.time() - _mtime(path, time.time()) > STALE_LOCK_S):
         if not gone:  # its holder may still run, and write an output of the inputs the next one merges
-            write_atomic(layout.gc / marker_name(kind, group, new_uid(), SUSPECT_SUFFIX), b"", layout.tmp)
+            write_atomic(layout.gc / marker_name(kind, group, new_uid(), SUSPECT_SUFFIX), holder.encode(),
+                         layout.tmp)
         path.unlink(missing_ok=True)
         fd = _try_lock(path)
     if fd is None:
@@ -511,17 +565,25 @@ def _group_lock(layout: Layout, kind: str, group: str) -> Iterator[bool]:
         path.unlink(missing_ok=True)
 
 
-def _holder_gone(path: Path) -> bool:
-    """Whether a lock was taken on this host by a process that no longer runs (a writer killed while
-    it compacted: writers compact too, so a lock should not wait STALE_LOCK_S for them)."""
+def _read(path: Path) -> str:
     try:
-        host, pid = path.read_text().split()[:2]
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):  # gone, or half-written
+        return ""
+
+
+def _process_gone(holder: str) -> bool:
+    """Whether a lock's holder ("<host> <pid> <time>", as `_group_lock` writes it) is a process of this host
+    that no longer runs (a writer killed while it compacted: writers compact too, so a lock should not
+    wait STALE_LOCK_S for them)."""
+    try:
+        host, pid = holder.split()[:2]
         if host != socket.gethostname() or int(pid) == os.getpid():
             return False
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
-    except (OSError, ValueError):  # unreadable or half-written (the holder is writing it), not ours
+    except (OSError, ValueError):  # half-written (the holder is writing it), or not ours
         return False
     return False
 
@@ -555,4 +617,4 @@ def _delete(paths) -> int:
 
 
 __all__ = ["CompactionReport", "GRACE_S", "StoreError", "collect_garbage", "compact", "compact_group",
-           "compact_job", "compact_telemetry", "compact_written"]
+           "compact_job", "compact_telemetry", "compact_written", "settle_suspects"]

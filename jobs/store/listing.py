@@ -33,7 +33,8 @@ listing sees in the gc directory, read (twice, one read after the other) after t
   directory read may be missed: the marker is there for all of the first, or the tombstone for all of
   the second, or it is gone with the inputs;
 - two compactions that merged the same inputs (a lock broken while its holder still ran): their
-  tombstones share an input, or the lock breaker's marker `<kind>~<group>~<uid>.suspect` stays;
+  tombstones share an input, or the lock breaker's marker `<kind>~<group>~<uid>.suspect` stays (until
+  the janitor, once the holder is gone, merges the group's files deduplicating: `compact.settle_suspects`);
 - a tombstone without an output (an older batchgen), whose inputs are listed;
 - a compaction by a batchgen from before the markers, which died between its rename and its tombstone.
   Its outputs' names lack MARKED_UID_PREFIX; one that no tombstone names, beside other listed files of
@@ -154,6 +155,17 @@ def _disjoint(layout: Layout, kind: str, paths: list[str], overlapping: set[str]
     if suspect and any((kind, g) in suspect for g in _groups_of(layout, kind, paths).values()):
         return False
     return not renaming or not any(compacted_uid(p) in renaming for p in paths)
+
+
+def files_disjoint(layout: Layout, kind: str, paths: list[str]) -> bool:
+    """Whether no part of `kind` is in two of `paths`: files of one group, none of them a merged input
+    (a compactor's inputs, read with the group's lock held, so no other compaction of the group writes
+    the gc records meanwhile: one read of them is enough). The same cases as a listing's `disjoint`."""
+    records = gc_records(layout)
+    tombstones = records.tombstones.values()
+    overlapping = _overlapping(tombstones, set(paths))
+    overlapping |= _unmarked_leftovers(layout, {kind: paths}, {output for output, _ in tombstones})
+    return _disjoint(layout, kind, paths, overlapping, records.renaming, records.suspect)
 
 
 def _groups_of(layout: Layout, kind: str, paths: list[str]) -> dict[str, str | None]:

@@ -284,6 +284,13 @@ def test_compact_memory_bench_runs_at_a_tiny_size(tmp_path):
     results = json.loads((tmp_path / "out.json").read_text())["results"]
     assert [(r["limit"], r["rows"]) for r in results] == [("64MB", 300), ("1000GB", 300)]
     assert all(r["peak_rss_mb"] > 0 for r in results)
+    compact_memory(["--rows", "300", "--shard-size", "100", "--text-bytes", "64", "--limits", "64MB",
+                    "--dedup", "auto,always", "--unsorted", "--json", str(tmp_path / "out.json")])
+    results = json.loads((tmp_path / "out.json").read_text())["results"]
+    assert [(r["dedup"], r["sort"], r["rows"]) for r in results] == [("auto", "unsorted", 300),
+                                                                     ("always", "unsorted", 300)]
+    with pytest.raises(SystemExit, match="--dedup"):
+        compact_memory(["--rows", "10", "--limits", "64MB", "--dedup", "sometimes"])
 
 
 @pytest.mark.parametrize(("pinned", "two_reads"), [(True, True), (True, False), (False, True)])

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import duckdb
 import pytest
 
 from jobs.store import catalog, listing
@@ -32,8 +33,9 @@ def compacted_files_count_at_once(monkeypatch):
     monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)
 
 
-def _fill(store: Store, job_id: str = "job-d") -> None:
-    store.record_job(JobRecord(job_id, "tiny", SHARDS * 2 * ROWS, SHARDS, time.time()))
+def _fill(store: Store, job_id: str = "job-d", shards_total: int = SHARDS) -> None:
+    """The job's SHARDS shards written and committed (of `shards_total`: more, and the job still runs)."""
+    store.record_job(JobRecord(job_id, "tiny", shards_total * 2 * ROWS, shards_total, time.time()))
     for shard in range(SHARDS):
         att = store.begin_attempt(job_id, shard, 1, "w")
         for flush in range(2):
@@ -244,3 +246,142 @@ def test_new_compacted_files_carry_the_marked_uid(tmp_path):
     compact_job(tmp_path, "job-d")
     names = [p.name for p in store.layout.store.joinpath("tables").rglob("compacted/*/*.parquet")]
     assert names and all(n.split("~", 1)[1].startswith(listing.MARKED_UID_PREFIX) for n in names)
+
+
+def _spy_disjoint(monkeypatch) -> list[bool]:
+    """What each merge found about its inputs (listing.files_disjoint, as compact calls it)."""
+    seen: list[bool] = []
+    real = compact.files_disjoint
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(compact, "files_disjoint", spy)
+    return seen
+
+
+def test_merges_of_inputs_that_share_no_part_skip_the_deduplication(tmp_path, monkeypatch):
+    """Raw parts, and compacted files named by tombstones that share no input, hold each part once: their
+    merge writes their union as it is, and the views answer as before."""
+    seen = _spy_disjoint(monkeypatch)
+    store = Store(tmp_path)
+    _fill(store)
+    before = _counts(tmp_path)
+    assert compact_group(store.layout, "outputs", "job-d").groups == 1
+    _fill(store)  # the same shards' parts again: a second attempt each, new parts
+    assert compact_group(store.layout, "outputs", "job-d").files_in > 1  # the first output and the new parts
+    assert seen == [True, True]
+    assert _counts(tmp_path)[0] == before[0]  # a shard's second attempt 1 is not its winner: not counted
+    [info] = [i for t in store.layout.gc.glob("outputs~*.json")
+              if len((i := json.loads(t.read_text()))["files"]) > 2 * SHARDS]  # the second merge's
+    output = store.layout.file(info["output"])
+    con = duckdb.connect()
+    assert con.execute(f"SELECT count(*), count(DISTINCT _bg_part) FROM '{output}'").fetchone() == (
+        2 * before[0], 4 * SHARDS)
+
+
+def test_two_outputs_of_the_same_inputs_are_deduplicated_when_merged(tmp_path, monkeypatch):
+    """A lock broken while its holder ran: two outputs of the same inputs. Their next merge takes each
+    part once, whether the tombstones that tell (they share an input) are still there or were collected
+    with the inputs, the lock breaker's `.suspect` marker left."""
+    seen = _spy_disjoint(monkeypatch)
+    for collected in (False, True):
+        data_dir = tmp_path / str(collected)
+        store = Store(data_dir)
+        _fill(store)
+        before = _counts(data_dir)
+        layout = store.layout
+        raw = sorted((layout.kind_dir("outputs") / "raw" / "job-d").glob("*.parquet"))
+        tombs = []
+        for _ in range(2):
+            _, output = compact._merge(layout, "outputs", raw, layout.compacted_dir("outputs", "job-d"))
+            compact._write_tombstone(layout, "outputs", "job-d", raw, output)
+            tombs.append(max(layout.gc.glob("outputs~*.json"), key=lambda p: p.stat().st_mtime_ns))
+        if collected:
+            (layout.gc / marker_name("outputs", "job-d", "0123456789ab", SUSPECT_SUFFIX)).touch()
+            for path in raw + list(layout.gc.glob("outputs~*.json")):
+                path.unlink()
+        del seen[:]
+        assert compact_group(layout, "outputs", "job-d").files_in == 2
+        assert seen == [False]
+        assert _counts(data_dir) == before
+
+
+def test_an_older_compactors_output_beside_its_inputs_is_deduplicated_when_merged(tmp_path, monkeypatch):
+    """An output of a compactor from before the markers, which died before its tombstone, beside the
+    inputs it holds: the next merge of the group takes each part once."""
+    store = Store(tmp_path)
+    _fill(store)
+    before = _counts(tmp_path)
+    monkeypatch.setattr(compact, "_write_tombstone", lambda *a, **k: None)  # died before it
+    compact_group(store.layout, "outputs", "job-d")
+    monkeypatch.undo()
+    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)
+    for marker in store.layout.gc.glob(f"*{RENAMING_SUFFIX}"):
+        marker.unlink()  # an older compactor wrote none
+    [output] = (store.layout.kind_dir("outputs") / "compacted" / "job-d").glob("*.parquet")
+    _unmark(output)
+    seen = _spy_disjoint(monkeypatch)
+    assert compact_group(store.layout, "outputs", "job-d").files_in == 1 + 2 * SHARDS
+    assert seen == [False]
+    assert list_files(store.layout).disjoint["outputs"] and _counts(tmp_path) == before
+
+
+def _two_outputs_of_the_same_inputs(store: Store, holder: str, age_s: float) -> Path:
+    """A lock broken while its holder (`holder`: "<host> <pid> <time>") ran, both having merged the same
+    raw parts; their tombstones collected with those parts, the breaker's `.suspect` marker, `age_s`
+    old, left: the state only the marker tells."""
+    layout = store.layout
+    lock = layout.locks / "outputs~job-d.lock"
+    lock.write_text(holder)
+    old = time.time() - compact.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    raw = sorted((layout.kind_dir("outputs") / "raw" / "job-d").glob("*.parquet"))
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr(compact, "_inputs", lambda *args: raw)  # the holder's inputs, not yet merged
+    compact_group(layout, "outputs", "job-d")  # the breaker's merge
+    monkey.undo()
+    _, output = compact._merge(layout, "outputs", raw, layout.compacted_dir("outputs", "job-d"))
+    compact._write_tombstone(layout, "outputs", "job-d", raw, output)  # the holder's, finished late
+    for path in raw + list(layout.gc.glob("outputs~*.json")):
+        path.unlink()
+    [marker] = layout.gc.glob(f"*{SUSPECT_SUFFIX}")
+    assert marker.read_text() == holder
+    at = time.time() - age_s
+    os.utime(marker, (at, at))
+    return marker
+
+
+@pytest.mark.parametrize(("where", "age_s", "settled"), [
+    ("this host, gone", 60.0, True), ("this host, running", 60.0, False),
+    ("another host", 60.0, False), ("another host", compact.SUSPECT_MAX_AGE_S + 60, True),
+    ("unsaid", compact.SUSPECT_MAX_AGE_S + 60, True), ("unsaid", 60.0, False)])
+def test_the_janitor_settles_a_suspect_group_once_the_holder_is_gone(tmp_path, where, age_s, settled):
+    """The janitor (`compact`) merges a suspect group's files, each part once, and removes the marker, once
+    the broken lock's holder is gone (its process on this host ended, or the marker is a day old); until
+    then the group's kind stays chosen part by part, and counts each row once all the same. The job still
+    runs, with too few parts for the janitor's live compaction: only the settling merges them."""
+    store = Store(tmp_path)
+    _fill(store, shards_total=SHARDS + 1)
+    before = _counts(tmp_path)
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        holder = {"another host": "other-host 1234 1.0\n", "unsaid": ""}.get(
+            where, f"{socket.gethostname()} {running.pid} 1.0\n")
+        marker = _two_outputs_of_the_same_inputs(store, holder, age_s)
+        assert not list_files(store.layout).disjoint["outputs"] and _counts(tmp_path) == before
+        if where == "this host, gone":
+            running.kill()
+            running.wait()
+        report = compact.compact(tmp_path, grace_s=3600)
+    finally:
+        running.kill()
+        running.wait()
+    assert marker.exists() != settled
+    found = list_files(store.layout)
+    assert found.disjoint["outputs"] == settled
+    assert report.rows >= (before[0] if settled else 0)
+    assert _counts(tmp_path) == before
+    if settled:
+        assert len([p for p in found.files["outputs"] if "/compacted/" in p]) == 1
