@@ -471,8 +471,8 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path, *,
     tmp = layout.tmp / f"{new_uid()}.compacted.tmp"
     twin_tmp = layout.tmp / f"{new_uid()}.rollups.tmp"
     if files_disjoint(layout, kind, [str(p) for p in inputs]):
-        # no part is in two inputs (listing.files_disjoint): their union is already deduplicated, and
-        # without the window over every row an unsorted merge streams (about a fifth of a merge's time)
+        # no part is in two inputs (listing.files_disjoint): their union is already deduplicated. Without
+        # the window over every row, 1M short outputs merge unsorted in a fifth less CPU (sorted: 8%)
         select = (f"SELECT * FROM read_parquet({files}, union_by_name = true, hive_partitioning = false)"
                   f"{order}")
     else:  # a part in two inputs is taken from one of them
@@ -481,8 +481,10 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path, *,
                   f"QUALIFY _bg_file = min(_bg_file) OVER (PARTITION BY _bg_part){order}")
     spill = layout.tmp / f"{new_uid()}.spill"
     uid = None
-    con = duckdb.connect(":memory:", config={"memory_limit": MERGE_MEMORY_LIMIT,
-                                             "temp_directory": str(spill)})
+    # rows in any order but ORDER BY's: kept in the inputs' order, an unsorted merge without the window
+    # buffered them (200,000 outputs of 1.5 KB: 3.4-3.9 s of CPU and 740 MB, against 2.8-3.1 s and 550 MB)
+    con = duckdb.connect(":memory:", config={"memory_limit": MERGE_MEMORY_LIMIT, "temp_directory": str(spill),
+                                             "preserve_insertion_order": False})
     try:
         try:
             con.execute(f"COPY ({select}) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd, "
