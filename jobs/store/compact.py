@@ -482,7 +482,7 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path, *,
     spill = layout.tmp / f"{new_uid()}.spill"
     uid = None
     # rows in any order but ORDER BY's: kept in the inputs' order, an unsorted merge without the window
-    # buffered them (200,000 outputs of 1.5 KB: 3.4-3.9 s of CPU and 740 MB, against 2.8-3.1 s and 550 MB)
+    # buffered them (200,000 outputs of 1.5 KB: 3.4-3.9 s of CPU and 740 MB, against 2.3-3.1 s and 560 MB)
     con = duckdb.connect(":memory:", config={"memory_limit": MERGE_MEMORY_LIMIT, "temp_directory": str(spill),
                                              "preserve_insertion_order": False})
     try:
