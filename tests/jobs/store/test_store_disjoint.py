@@ -215,6 +215,19 @@ def _unmark(path: Path) -> Path:
     return path.rename(path.with_name(f"{c}~{uid[len(listing.MARKED_UID_PREFIX):]}.parquet"))
 
 
+def _older_compactor_died_before_its_tombstone(store: Store, monkeypatch) -> Path:
+    """Job-d's outputs merged by a compactor from before the markers that died between its rename and its
+    tombstone: its output (returned), unmarked, beside its inputs, and no marker."""
+    monkeypatch.setattr(compact, "_write_tombstone", lambda *a, **k: None)  # died before it
+    compact_group(store.layout, "outputs", "job-d")
+    monkeypatch.undo()
+    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)
+    for marker in store.layout.gc.glob(f"*{RENAMING_SUFFIX}"):
+        marker.unlink()  # an older compactor wrote none
+    [output] = (store.layout.kind_dir("outputs") / "compacted" / "job-d").glob("*.parquet")
+    return _unmark(output)
+
+
 def test_an_older_compactors_output_without_a_tombstone_is_trusted_only_alone_in_its_group(tmp_path,
                                                                                            monkeypatch):
     """A compactor from before the markers that died between its rename and its tombstone left its output
@@ -223,14 +236,7 @@ def test_an_older_compactors_output_without_a_tombstone_is_trusted_only_alone_in
     store = Store(tmp_path)
     _fill(store)
     before = _counts(tmp_path)
-    monkeypatch.setattr(compact, "_write_tombstone", lambda *a, **k: None)  # died before it
-    compact_group(store.layout, "outputs", "job-d")
-    monkeypatch.undo()
-    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)
-    for marker in store.layout.gc.glob(f"*{RENAMING_SUFFIX}"):
-        marker.unlink()  # an older compactor wrote none
-    [output] = (store.layout.kind_dir("outputs") / "compacted" / "job-d").glob("*.parquet")
-    old = _unmark(output)
+    old = _older_compactor_died_before_its_tombstone(store, monkeypatch)
     found = list_files(store.layout)
     assert not found.disjoint["outputs"] and found.disjoint["commits"]
     assert _counts(tmp_path) == before
@@ -314,14 +320,7 @@ def test_an_older_compactors_output_beside_its_inputs_is_deduplicated_when_merge
     store = Store(tmp_path)
     _fill(store)
     before = _counts(tmp_path)
-    monkeypatch.setattr(compact, "_write_tombstone", lambda *a, **k: None)  # died before it
-    compact_group(store.layout, "outputs", "job-d")
-    monkeypatch.undo()
-    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)
-    for marker in store.layout.gc.glob(f"*{RENAMING_SUFFIX}"):
-        marker.unlink()  # an older compactor wrote none
-    [output] = (store.layout.kind_dir("outputs") / "compacted" / "job-d").glob("*.parquet")
-    _unmark(output)
+    _older_compactor_died_before_its_tombstone(store, monkeypatch)
     seen = _spy_disjoint(monkeypatch)
     assert compact_group(store.layout, "outputs", "job-d").files_in == 1 + 2 * SHARDS
     assert seen == [False]
