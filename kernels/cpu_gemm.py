@@ -39,6 +39,8 @@ compare), `onednn=False` turns all packing off, and anything neither takes stays
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,14 +70,23 @@ def available() -> bool:
 
 # oneDNN packs bf16 weights only on CPUs with these (its own check, `mkldnn_reorder_linear_weight`)
 BF16_PACK_FLAGS = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
+# ... and only where the ISA cap a user may set for oneDNN (e.g. ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512
+# CPU, to compare with the AVX2 kernels) leaves them: its values below AVX-512 and the flags they keep
+ONEDNN_ISA_ENV = "ONEDNN_MAX_CPU_ISA"
+_BELOW_AVX512 = {"SSE41": frozenset(), "AVX": frozenset(), "AVX2": frozenset(), "AVX2_VNNI": frozenset(),
+                 "AVX2_VNNI_2": frozenset({"avx_ne_convert"})}
 
 
 def packs_dtype(dtype: torch.dtype, flags: frozenset[str] | None = None) -> bool:
-    """Whether oneDNN packs weights of dtype on this CPU (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    """Whether oneDNN packs weights of dtype on this CPU (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT,
+    and no $ONEDNN_MAX_CPU_ISA below them)."""
     if dtype not in PACKED_DTYPES:
         return False
     if dtype == torch.bfloat16:
         flags = cpu_features.cpu_flags() if flags is None else flags
+        cap = os.environ.get(ONEDNN_ISA_ENV, "").strip().upper()
+        if cap in _BELOW_AVX512:
+            flags = flags & _BELOW_AVX512[cap]
         return any(need <= flags for need in BF16_PACK_FLAGS)
     return True
 

@@ -4,7 +4,10 @@ oneDNN's, packed in place, and the model's use of them through kernels.ops."""
 from __future__ import annotations
 
 import functools
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -527,6 +530,26 @@ def test_packing_is_off_where_it_does_not_apply(kernel_options):
     assert cpu_gemm.pack(w) is None
     x = torch.randn(3, 16)
     assert torch.equal(cpu_gemm.linear(x, w), F.linear(x, w))
+
+
+def test_bf16_packing_heeds_a_onednn_isa_cap(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA below AVX-512 (set to compare with the AVX2 kernels) leaves oneDNN no bf16
+    packing on any CPU: the path is off, not an error from oneDNN."""
+    avx512 = frozenset({"avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    for cap, packs in (("AVX2", False), ("avx2", False), ("AVX512_CORE_BF16", True), ("", True)):
+        monkeypatch.setenv(cpu_gemm.ONEDNN_ISA_ENV, cap)
+        assert cpu_gemm.packs_dtype(torch.bfloat16, avx512) is packs, cap
+        assert cpu_gemm.packs_dtype(torch.float32, avx512)
+    monkeypatch.setenv(cpu_gemm.ONEDNN_ISA_ENV, "AVX2_VNNI_2")
+    assert cpu_gemm.packs_dtype(torch.bfloat16, avx512 | {"avx_ne_convert"})
+    assert not cpu_gemm.packs_dtype(torch.bfloat16, avx512)
+    code = ("import torch; from kernels import cpu_gemm; "
+            "print(cpu_gemm.pack_onednn(torch.randn(64, 64).bfloat16()) is None, "
+            "cpu_gemm.pack_onednn(torch.randn(64, 64)) is not None or not cpu_gemm.available())")
+    env = {**os.environ, cpu_gemm.ONEDNN_ISA_ENV: "AVX2"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"]
 
 
 def test_pack_linears_swaps_weights_in_place_and_back():
