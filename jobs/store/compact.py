@@ -5,8 +5,9 @@ one worker (iterations) or one sweep. Compacting a group:
 
 1. takes the group's lock (`store/locks/`, O_EXCL file; a stale one is broken after `STALE_LOCK_S`);
 2. merges every raw part and earlier compacted file of the group into one Parquet file, each row
-   keeping its `_bg_part`, written under a temporary name and renamed into
-   `compacted/<group>/c<16 digits>~<uid>.parquet` (newer names sort first);
+   keeping its `_bg_part` (a part that two inputs may hold, which the gc directory tells as a
+   listing's `disjoint` does, is taken from one of them), written under a temporary name and renamed
+   into `compacted/<group>/c<16 digits>~<uid>.parquet` (newer names sort first);
 3. records the merged inputs (relative to the data dir) in a tombstone under `store/gc/`, and deletes
    nothing. A marker `store/gc/<kind>~<group>~<uid>.renaming` is there from before the rename until
    the tombstone is written, so that readers know an output whose inputs they may still list
