@@ -297,15 +297,9 @@ def settle_suspects(data_dir: str | os.PathLike, *, now: float | None = None) ->
         if fields is None or not _suspect_settled(marker, now):
             continue
         kind, group, _ = fields
-        with _group_lock(layout, kind, group) as locked:
-            if not locked:
-                report.skipped.append(f"{kind}/{group}: another compactor holds the lock")
-                continue
-            inputs = _inputs(layout, kind, group, 0.0)
-            if len(inputs) > 1:  # one file holds each of its parts once (it was merged deduplicating)
-                rows, output = _merge(layout, kind, inputs, layout.compacted_dir(kind, group))
-                _write_tombstone(layout, kind, group, inputs, output)
-                report.add(CompactionReport(groups=1, files_in=len(inputs), rows=rows))
+        merged = compact_group(layout, kind, group)  # deduplicating: the marker is still there
+        report.add(merged)
+        if not merged.skipped:  # it held the lock: each part of the group is in one unmerged file now
             marker.unlink(missing_ok=True)
     return report
 
@@ -314,12 +308,7 @@ def _suspect_settled(marker: Path, now: float) -> bool:
     """Whether the holder of the lock a `.suspect` marker was written for is gone: its process on this
     host no longer runs, or the marker is older than SUSPECT_MAX_AGE_S (another host, or a marker that
     does not say)."""
-    if now - _mtime(marker, now) > SUSPECT_MAX_AGE_S:
-        return True
-    try:
-        return _process_gone(marker.read_text())
-    except FileNotFoundError:
-        return False
+    return now - _mtime(marker, now) > SUSPECT_MAX_AGE_S or _process_gone(_read(marker))
 
 
 def collect_garbage(data_dir: str | os.PathLike, *, grace_s: float = GRACE_S) -> int:
