@@ -41,9 +41,8 @@ def fetch_rows(con, sql: str, params: list | None = None, job_id: str | None = N
     """A query's rows as dicts, over a listing of the store's files made for it and made again when a
     part it listed was deleted before it was read (`jobs.store.execute_listed`). `job_id`: the answer
     depends on that job's rows alone (only its parts are listed for the query)."""
-    cur = execute_listed(con, sql, params, job_id=job_id)
-    names = [d[0] for d in cur.description]
-    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+    names, rows = execute_listed(con, sql, params, job_id=job_id)
+    return [dict(zip(names, row, strict=True)) for row in rows]
 
 
 def request_counts(total: int, counts: dict | None, unknown: bool = False) -> dict:

@@ -38,9 +38,11 @@ Public API:
   records `JobRecord`, `ShardEvent`, `SweepRecord`, `CommitRecord` (`schemas.py`).
 - read: `connect(data_dir, read_only_user_sql=False, views=None) -> duckdb.DuckDBPyConnection` (`views`:
   only some views, e.g. `STATUS_VIEWS`); `pin_listing(con)`: the store's files listed once for the next
-  queries, compaction's merged inputs left out (`listing.py`; `run_query` does it before each query),
-  `execute_listed(con, sql, params)`: a query over such a listing, listed and run again on a deleted part
-  (`run_listed(con, work)`: a few queries over one listing), `JOBS_SELECT`: the `jobs` view's SELECT,
+  queries, compaction's merged inputs left out (`listing.py`; `run_query` does it before each query,
+  through `listing.over_listing`, which also runs the query in the listed catalog where it can),
+  `execute_listed(con, sql, params)`: (columns, rows) of a query over such a listing, listed and run
+  again on a deleted part (`run_listed(con, work)`: a few queries over one listing), `JOBS_SELECT`: the
+  `jobs` view's SELECT,
   `jobs_over(relation)`: the same over a relation of `shards` rows (or after `JOB_SHARDS_CTES`, over
   their per-job counts), `over_scans(select)`: a SELECT
   with the views above the scans inlined (what `status` reads, on a connection of the scans only:

@@ -62,6 +62,15 @@ fences against `now()`, the start of the query's transaction, which every scan o
   two of its files (`Listing.disjoint`: no compaction between its rename and its tombstone, no two
   compactions of the same inputs), the kind's scan reads them as they are, choosing nothing: every
   row once.
+- The listed catalog (`LISTED_CATALOG`, attached to every `connect()` connection, `_create_listed`)
+  holds the same views and macros, but each scan is one read of the pinned listing's files as they are
+  (`_listed_scan_sql`): DuckDB binds a view each time a query reads it, and the default scans' forms
+  (as listed, by rank, over the glob), all bound though one runs, were half of a dashboard query's
+  planning. `listing.over_listing` (run_query, execute_listed, run_listed) makes it the cursor's
+  catalog for the query where the listing holds each part of every kind in one file, and the default
+  one again after. Its scans refuse, when bound, a listing that does not say so for their kind, a
+  query from another catalog, or no listing; its fences are the listing's time whatever its age (a
+  listed file deleted meanwhile fails the query, which lists anew).
 - Every kind has a zero-row `_schema.parquet`, so an empty data dir gives zero rows, not an error.
 - In `connect`'s in-memory views paths are absolute (resolved when the connection is made), so
   they work from any cwd; the catalog file's are relative (above).
@@ -84,7 +93,16 @@ import duckdb
 
 from jobs.store import rollups
 from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, SCHEMA_VERSION, Layout, init_data_dir
-from jobs.store.listing import DATA_DIR_MACRO, LISTING_VARIABLE, MAX_AGE_S, pin
+from jobs.store.listing import (
+    DATA_DIR_MACRO,
+    DEFAULT_CATALOG,
+    LISTED_CATALOG,
+    LISTED_CATALOG_MACRO,
+    LISTING_VARIABLE,
+    MAX_AGE_S,
+    pin,
+    schema_listing,
+)
 from jobs.store.schemas import KINDS
 
 log = logging.getLogger(__name__)
@@ -109,12 +127,19 @@ _PINNED = (f"coalesce(getvariable('{LISTING_VARIABLE}').listed_at >= epoch_us(no
            "false)")
 
 
+# whether this query runs in the listed catalog (`LISTED_CATALOG`), whose scans read the pinned listing
+# whatever its age: a constant of the query, as `_PINNED` is
+_IN_LISTED = f"current_database() = '{LISTED_CATALOG}'"
+
+
 def _now_s(listed: bool = False) -> str:
     """The query's time in epoch seconds, minus the allowed clock skew: now() (its transaction start),
-    or with `listed` (the views of `connect`), the time of the pinned listing when it reads one."""
+    or with `listed` (the views of `connect`), the time of the pinned listing when it reads one (in the
+    listed catalog, always)."""
     now = "epoch_us(now()) / 1e6"
     if listed:
-        now = f"CASE WHEN {_PINNED} THEN getvariable('{LISTING_VARIABLE}').listed_at ELSE {now} END"
+        now = (f"CASE WHEN {_PINNED} OR {_IN_LISTED} THEN getvariable('{LISTING_VARIABLE}').listed_at "
+               f"ELSE {now} END")
     return f"({now} - {clock_skew_s():.6f})"
 
 
@@ -227,6 +252,27 @@ SELECT * FROM ({one_listing("r")}) WHERE NOT {_PINNED}
 """
 
 
+def _listed_files_sql(kind: str, field: str | None = None) -> str:
+    """The pinned listing's files of `kind` (its `field` of them: the rollup twins' lists), for a scan of
+    the listed catalog: read as they are, so only where the listing holds each part of `kind` in one
+    file, and only in that catalog, whose fences are the listing's time. Anything else fails the query
+    when it is bound, never reading a part twice."""
+    listing = f"getvariable('{LISTING_VARIABLE}')"
+    refusal = (f"the listed catalog's views ({LISTED_CATALOG}) read a pinned listing in which no part of "
+               f"{kind} is in two files, from that catalog only; query the views of the default catalog")
+    return (f"CASE WHEN {_IN_LISTED} AND coalesce({listing}.disjoint.{kind}, false) "
+            f"THEN {listing}.{field or kind} ELSE error({_q(refusal)}) END")
+
+
+def _listed_scan_sql(kind: str, where: str = "") -> str:
+    """A scan of the listed catalog (`LISTED_CATALOG`): the pinned listing's files of `kind` read as they
+    are (`_listed_files_sql`), with the columns of `_scan_sql`'s rows. One read, no choice of files per
+    part: it binds in a fraction of `_scan_sql`'s time, which binds every form a listing may need."""
+    filtered = f" WHERE {where}" if where else ""
+    return (f"SELECT * FROM read_parquet({_listed_files_sql(kind)}, union_by_name = true, "
+            f"hive_partitioning = false){filtered}")
+
+
 def _disjoint_sql(kind: str) -> str:
     """Whether the pinned listing, young enough to be read, holds each part of `kind` in one file only
     (`listing.Listing.disjoint`): a constant of the query."""
@@ -265,19 +311,24 @@ WHERE {_chosen("s", file="_bg_fi")}
 ROLLUP_VIEW = "_bg.iteration_seconds"  # the per-second rollups of the iterations (jobs.store.rollups)
 
 
-def _rollup_scan_sql(layout: Layout, relative_to: Path | None = None) -> str:
+def _rollup_scan_sql(layout: Layout, relative_to: Path | None = None, pinned: bool = False) -> str:
     """The per-second rollups of the iterations (`jobs.store.rollups`): over a pinned listing, the twins
     of its compacted files read, the rollups of its other iterations files computed from their rows,
     and per part the file chosen as `_ranked_scan_sql` chooses; otherwise computed from the iterations'
-    scan (the catalog file's view, a connection that pinned no listing)."""
+    scan (the catalog file's view, a connection that pinned no listing). `pinned`: the listed
+    catalog's, over the pinned listing as it is (`_listed_files_sql`)."""
     computed = rollups.rollup_select("_bg.scan_iterations")
     if relative_to is not None:
         return computed
     listing = f"getvariable('{LISTING_VARIABLE}')"
     twin_prefix, compacted_prefix = rollups.twin_prefixes(layout)
     schema, glob = _q(str(rollups.schema_file(layout))), _q(layout.glob(rollups.KIND))
-    twins = f"CASE WHEN {_PINNED} THEN {listing}.iteration_twins ELSE [{schema}] END"
-    untwinned = f"CASE WHEN {_PINNED} THEN {listing}.iterations_untwinned ELSE [{glob}] END"
+    if pinned:
+        twins = _listed_files_sql(rollups.KIND, "iteration_twins")
+        untwinned = _listed_files_sql(rollups.KIND, "iterations_untwinned")
+    else:
+        twins = f"CASE WHEN {_PINNED} THEN {listing}.iteration_twins ELSE [{schema}] END"
+        untwinned = f"CASE WHEN {_PINNED} THEN {listing}.iterations_untwinned ELSE [{glob}] END"
     files = f"CASE WHEN {_PINNED} THEN {listing}.{rollups.KIND} ELSE []::VARCHAR[] END"
     read = "union_by_name = true, hive_partitioning = false"
     untwinned_rows = f"read_parquet({untwinned}, {read}, filename = '_bg_file')"
@@ -288,6 +339,8 @@ def _rollup_scan_sql(layout: Layout, relative_to: Path | None = None) -> str:
         UNION ALL BY NAME
         {rollups.rollup_select(untwinned_rows, keep=("_bg_file",))}
     )"""
+    if pinned:  # the listed catalog's: the listing holds each part in one file (`_listed_files_sql`)
+        return f"SELECT * EXCLUDE (_bg_file) FROM {rows}"
     disjoint = _disjoint_sql(rollups.KIND)
     return f"""
 SELECT * EXCLUDE (_bg_file) FROM {rows} WHERE {disjoint}
@@ -586,8 +639,9 @@ def jobs_over(shards: str | None = None, *, job_shards: str | None = None) -> st
 OUTPUTS_OF_SHARDS_MACRO = "_bg.outputs_of_shards"
 
 
-def _outputs_of_shards_sql(layout: Layout) -> str:
-    scan = _scan_sql(layout, "outputs", where="job_id = job AND _bg_shard_id BETWEEN lo AND hi")
+def _outputs_of_shards_sql(layout: Layout, pinned: bool = False) -> str:
+    where = "job_id = job AND _bg_shard_id BETWEEN lo AND hi"
+    scan = _listed_scan_sql("outputs", where) if pinned else _scan_sql(layout, "outputs", where=where)
     return f"""
 SELECT o.* EXCLUDE (_bg_shard_id, _bg_attempt_id, _bg_part)
 FROM _bg.winners AS w JOIN ({scan}) AS o ON o.job_id = w.job_id AND o._bg_attempt_id = w._bg_attempt_id
@@ -598,17 +652,20 @@ WHERE w.job_id = job
 INTERNAL_SCHEMA = "_bg"  # the views' building blocks, out of `SHOW TABLES` (`SHOW ALL TABLES` lists them)
 
 
-def view_definitions(layout: Layout, relative_to: Path | None = None) -> list[tuple[str, str]]:
+def view_definitions(layout: Layout, relative_to: Path | None = None, *,
+                     pinned: bool = False) -> list[tuple[str, str]]:
     """(name, SELECT) of every view, in creation order: the one shared definition. Paths are absolute,
-    or relative to `relative_to` (the catalog file's, so a copied or moved data dir reads its own files)."""
-    views = [(f"{INTERNAL_SCHEMA}.scan_{kind}", _scan_sql(layout, kind, relative_to)) for kind in KINDS]
+    or relative to `relative_to` (the catalog file's, so a copied or moved data dir reads its own files).
+    `pinned`: the listed catalog's (`LISTED_CATALOG`), whose scans read a pinned listing as it is."""
+    views = [(f"{INTERNAL_SCHEMA}.scan_{kind}",
+              _listed_scan_sql(kind) if pinned else _scan_sql(layout, kind, relative_to)) for kind in KINDS]
     views += [
         ("_bg.winners", _winners_sql(relative_to is None)), ("_bg.job_records", _JOB_RECORDS),
         ("_bg.cancels", _CANCELS), ("_bg.shard_event_agg", _SHARD_EVENT_AGG),
         ("outputs", _OUTPUTS), ("requests", _REQUESTS), ("requests_live", _REQUESTS_LIVE),
         ("_bg.request_digests_live", _REQUEST_DIGESTS_LIVE),
         ("iterations", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_iterations"),
-        (ROLLUP_VIEW, _rollup_scan_sql(layout, relative_to)),
+        (ROLLUP_VIEW, _rollup_scan_sql(layout, relative_to, pinned)),
         ("sweeps", "SELECT * EXCLUDE (_bg_part) FROM _bg.scan_sweeps"),
         ("shards", _SHARDS), ("_bg.job_shards", f"WITH {JOB_SHARDS_CTES} SELECT * FROM job_shards"),
         ("_bg.shard_status_counts", _SHARD_STATUS_COUNTS),
@@ -698,28 +755,36 @@ def create_views(con: duckdb.DuckDBPyConnection, layout: Layout, relative_to: Pa
                  views: Collection[str] | None = None) -> dict[str, str]:
     """Create every view (or only `views` and the views they read); {kind: error} for kinds whose parts
     cannot be read (see `_unreadable_sql`)."""
+    return _create_view_set(con, layout, relative_to, views)
+
+
+def _create_view_set(con: duckdb.DuckDBPyConnection, layout: Layout, relative_to: Path | None = None,
+                     views: Collection[str] | None = None, *, pinned: bool = False,
+                     broken: dict[str, str] | None = None) -> dict[str, str]:
+    """`create_views`; `pinned`: the listed catalog's views (`_create_listed`), whose scans open no file
+    when created, and `broken` ({kind: error}, the default catalog's) gets them the same stand-ins."""
     con.execute(f"CREATE SCHEMA IF NOT EXISTS {INTERNAL_SCHEMA}")
-    broken: dict[str, str] = {}
+    broken = dict(broken or {})
     scan_prefix = f"{INTERNAL_SCHEMA}.scan_"
     wanted = None if views is None else _with_dependencies(views)
-    for name, select in view_definitions(layout, relative_to):
+    for name, select in view_definitions(layout, relative_to, pinned=pinned):
         if wanted is not None and name not in wanted:
             continue
         # the views that read files: the scans, and the rollups (their twins)
         kind = (name.removeprefix(scan_prefix) if name.startswith(scan_prefix)
                 else ROLLUP_VIEW.removeprefix(f"{INTERNAL_SCHEMA}.") if name == ROLLUP_VIEW else None)
-        try:
-            if kind is None:
-                con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
-            else:
+        if kind is not None and kind not in broken and not pinned:
+            try:
                 _create_scan(con, name, select, layout if relative_to is None else None)
-        except (duckdb.IOException, duckdb.InvalidInputException) as exc:
-            if kind is None:
-                raise
-            broken[kind] = unreadable_part_message(str(exc))
-            schema = rollups.schema_file(layout) if name == ROLLUP_VIEW else None
-            stand_in = _unreadable_sql(layout, kind, broken[kind], relative_to, schema)
-            con.execute(f"CREATE OR REPLACE VIEW {name} AS {stand_in}")
+                continue
+            except (duckdb.IOException, duckdb.InvalidInputException) as exc:
+                broken[kind] = unreadable_part_message(str(exc))
+        if kind not in broken:
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS {select}")
+            continue
+        schema = rollups.schema_file(layout) if name == ROLLUP_VIEW else None
+        stand_in = _unreadable_sql(layout, kind, broken[kind], relative_to, schema)
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS {stand_in}")
     return broken
 
 
@@ -806,16 +871,14 @@ def connect_reporting(data_dir: str | os.PathLike | None = None, *, read_only_us
     try:
         if threads is not None:
             con.execute(f"SET threads = {int(threads)}")
+        if con.execute("SELECT current_database()").fetchone()[0] != DEFAULT_CATALOG:
+            raise AssertionError(f"an in-memory connection's catalog is named {DEFAULT_CATALOG!r}")
         con.execute(f"CREATE SCHEMA IF NOT EXISTS {INTERNAL_SCHEMA}")
-        con.execute(f"CREATE MACRO {DATA_DIR_MACRO}() AS {_q(str(layout.root))}")  # for `listing.pin`
         broken = _create_views_retrying(con, layout, views)
-        if views is None or "outputs" in _with_dependencies(views):
-            # over unreadable outputs parts, the view's stand-in: its error names the file
-            body = ("SELECT * FROM outputs WHERE job_id = job" if "outputs" in broken
-                    else _outputs_of_shards_sql(layout))
-            con.execute(f"CREATE MACRO {OUTPUTS_OF_SHARDS_MACRO}(job, lo, hi) AS TABLE {body}")
+        _create_listed(con, layout, views, broken)
+        _create_macros(con, layout, views, broken)
         # queries run over the globs, each listing anew, unless the caller pins a listing for them
-        # (`listing.pin`: run_query and fetch_rows do, before each query)
+        # (`listing.over_listing`: run_query and fetch_rows do, before each query, and choose the catalog)
         con.execute(f"RESET VARIABLE {LISTING_VARIABLE}")
         for kind, message in broken.items():
             log.warning("store %s: %s parts unreadable: %s", layout.root, kind, message)
@@ -825,6 +888,37 @@ def connect_reporting(data_dir: str | os.PathLike | None = None, *, read_only_us
         con.close()
         raise
     return con, broken
+
+
+def _create_macros(con: duckdb.DuckDBPyConnection, layout: Layout, views: Collection[str] | None,
+                   broken: dict[str, str], pinned: bool = False) -> None:
+    """The macros of the current catalog: the outputs of some shards, the data dir and the listed
+    catalog's name (`listing.over_listing` reads them: the default catalog's come last, so that a pin
+    during the set-up chooses no catalog)."""
+    if views is None or "outputs" in _with_dependencies(views):
+        # over unreadable outputs parts, the view's stand-in: its error names the file
+        body = ("SELECT * FROM outputs WHERE job_id = job" if "outputs" in broken
+                else _outputs_of_shards_sql(layout, pinned))
+        con.execute(f"CREATE MACRO {OUTPUTS_OF_SHARDS_MACRO}(job, lo, hi) AS TABLE {body}")
+    con.execute(f"CREATE MACRO {DATA_DIR_MACRO}() AS {_q(str(layout.root))}")
+    con.execute(f"CREATE MACRO {LISTED_CATALOG_MACRO}() AS {_q(LISTED_CATALOG)}")
+
+
+def _create_listed(con: duckdb.DuckDBPyConnection, layout: Layout, views: Collection[str] | None,
+                   broken: dict[str, str]) -> None:
+    """The listed catalog (`LISTED_CATALOG`): the same views and macros, with every scan reading the
+    pinned listing's files as they are (`_listed_scan_sql`). `listing.pin` makes it the query's catalog
+    (`USE`) where the listing holds each part of every kind in one file, the default catalog otherwise.
+    Its views are bound over a listing of the schema files (no part file opened); a kind the default
+    catalog found unreadable gets the same stand-in."""
+    con.execute(f"ATTACH ':memory:' AS {LISTED_CATALOG}")
+    con.execute(f"USE {LISTED_CATALOG}")
+    try:
+        con.execute(f"SET VARIABLE {LISTING_VARIABLE} = $1", [schema_listing(layout).variable()])
+        _create_view_set(con, layout, views=views, pinned=True, broken=broken)
+        _create_macros(con, layout, views, broken, pinned=True)
+    finally:
+        con.execute(f"USE {DEFAULT_CATALOG}")
 
 
 BIND_TRIES = 4  # a view is bound again when a part it listed was deleted before it was opened

@@ -394,7 +394,7 @@ def _query(layout: Layout, sql: str, params: list | None = None) -> list[tuple]:
     (another process's garbage collection)."""
     con = connect(layout.root)
     try:
-        return execute_listed(con, sql, params, layout=layout).fetchall()
+        return execute_listed(con, sql, params, layout=layout)[1]
     finally:
         con.close()
 

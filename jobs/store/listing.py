@@ -11,6 +11,8 @@ grace, so a query that listed one before it was merged still opens it.
 `pin(con)` puts a fresh listing in the connection's variable LISTING_VARIABLE; the views of a
 `connect()` connection read it (catalog.py) while it is younger than MAX_AGE_S, and their glob
 otherwise, so a connection that never pins, or pinned long ago, still answers right: only slower.
+`over_listing(con)` pins one for the queries inside and runs them in the listed catalog (catalog.py)
+where the listing holds each part of every kind in one file (`Listing.disjoint`).
 Every scan of a query reads the same pinned list, and the views' time fences use the listing's time
 instead of the query's start (a commit counts once `committed_ts <= listed_at`; its parts were renamed
 into place before it, so before the listing began: they are listed, or the compacted file holding
@@ -47,7 +49,8 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -64,6 +67,12 @@ LISTING_VARIABLE = "_bg_listing"  # struct {listed_at, <kind>: [files]} of the l
 # that are still there, bar one merged at the very moment it was taken (then the query runs again)
 MAX_AGE_S = 2.0
 DATA_DIR_MACRO = "_bg.data_dir"  # a `connect()` connection's data dir, for `pin`
+# A `connect()` connection's views are in two catalogs: the default one's scans read any listing (or
+# their globs), the listed one's read the pinned listing as it is (catalog.py). `pin` makes the listed
+# one the cursor's catalog (`USE`) where the listing holds each part of every kind in one file.
+DEFAULT_CATALOG = "memory"  # DuckDB's name for an in-memory connection's own catalog
+LISTED_CATALOG = "_bg_listed"
+LISTED_CATALOG_MACRO = "_bg.listed_catalog"  # its name, on a connection that has one (for `pin`)
 
 
 @dataclass(frozen=True)
@@ -303,7 +312,8 @@ def pin(con: duckdb.DuckDBPyConnection, layout: Layout | None = None, *,
         job_id: str | None = None) -> Listing | None:
     """List the store's files for the next queries on this cursor (see the module docstring), the job
     kinds' of `job_id` only when given (`list_files`). The data dir is the connection's own (`connect`
-    records it); None, pinning nothing, on a connection that is not a `connect()` one."""
+    records it); None, pinning nothing, on a connection that is not a `connect()` one. The queries run
+    in the cursor's catalog: `over_listing` also chooses it."""
     if layout is None:
         root = data_dir_of(con)
         if root is None:
@@ -312,6 +322,44 @@ def pin(con: duckdb.DuckDBPyConnection, layout: Layout | None = None, *,
     listing = list_files(layout, job_id)
     con.execute(f"SET VARIABLE {LISTING_VARIABLE} = $1", [listing.variable()])
     return listing
+
+
+@contextmanager
+def over_listing(con: duckdb.DuckDBPyConnection, layout: Layout | None = None, *,
+                 job_id: str | None = None) -> Iterator[Listing | None]:
+    """`pin`, and the queries inside run in the listed catalog where every kind's listed files hold each
+    part once (`Listing.disjoint`), in the default one otherwise; the cursor is back in the default one
+    after (a later query that pins nothing reads the globs there, as the listing ages). Fetch the rows
+    inside: leaving runs a statement, which drops a pending result."""
+    root, listed = _pin_target(con)
+    if layout is None and root is not None:
+        layout = Layout.of(root)
+    listing = pin(con, layout, job_id=job_id) if layout is not None else None
+    chosen = listed is not None and listing is not None and all(listing.disjoint.values())
+    if chosen:
+        con.execute(f"USE {listed}")
+    try:
+        yield listing
+    finally:
+        if chosen:
+            con.execute(f"USE {DEFAULT_CATALOG}")
+
+
+def schema_listing(layout: Layout) -> Listing:
+    """A listing of each kind's `_schema.parquet` only, every kind disjoint: what the listed catalog's
+    views are bound over when they are created (catalog.py), so that no part file is opened then."""
+    files = {kind: [str(layout.kind_dir(kind) / "_schema.parquet")] for kind in KINDS}
+    return Listing(time.time(), files, 0, [str(rollups.schema_file(layout))], files[rollups.KIND],
+                   dict.fromkeys(KINDS, True))
+
+
+def _pin_target(con: duckdb.DuckDBPyConnection) -> tuple[str | None, str | None]:
+    """(data dir, listed catalog) of a `connect()` connection; (None, None) on any other, or on one
+    whose set-up has not made them yet (its catalogs' macros come last)."""
+    try:
+        return con.execute(f"SELECT {DATA_DIR_MACRO}(), {LISTED_CATALOG_MACRO}()").fetchone()
+    except duckdb.CatalogException:
+        return None, None
 
 
 def data_dir_of(con: duckdb.DuckDBPyConnection) -> str | None:
@@ -328,21 +376,26 @@ LISTED_TRIES = 4  # a query whose part the compactor deleted after the listing r
 
 def execute_listed(con: duckdb.DuckDBPyConnection, sql: str, params: list | None = None, *,
                    layout: Layout | None = None, job_id: str | None = None,
-                   tries: int = LISTED_TRIES) -> duckdb.DuckDBPyConnection:
-    """`con.execute(sql, params)` over a listing pinned for it (`pin`); on a file error (a part listed,
-    then deleted by garbage collection before it was read: the views stay correct, the query only has
-    to list again) listed and run again, up to `tries` times in all."""
-    return run_listed(con, lambda c: c.execute(sql, params or []), layout=layout, job_id=job_id, tries=tries)
+                   tries: int = LISTED_TRIES) -> tuple[list[str], list[tuple]]:
+    """(column names, rows) of `con.execute(sql, params)` over a listing pinned for it (`over_listing`);
+    on a file error (a part listed, then deleted by garbage collection before it was read: the views stay
+    correct, the query only has to list again) listed and run again, up to `tries` times in all."""
+    def work(c: duckdb.DuckDBPyConnection) -> tuple[list[str], list[tuple]]:
+        cur = c.execute(sql, params or [])
+        rows = cur.fetchall()
+        return [d[0] for d in cur.description or []], rows
+    return run_listed(con, work, layout=layout, job_id=job_id, tries=tries)
 
 
 def run_listed(con: duckdb.DuckDBPyConnection, work: Callable[[duckdb.DuckDBPyConnection], T], *,
                layout: Layout | None = None, job_id: str | None = None, tries: int = LISTED_TRIES) -> T:
-    """`work(con)`, a few queries, over one listing pinned for all of them (`pin`), made again and
-    `work` run again from its start on a file error, as `execute_listed` does for one query."""
+    """`work(con)`, a few queries that fetch their rows, over one listing pinned for all of them
+    (`over_listing`), made again and `work` run again from its start on a file error, as
+    `execute_listed` does for one query."""
     for attempt in range(tries):
         try:
-            pin(con, layout, job_id=job_id)
-            return work(con)
+            with over_listing(con, layout, job_id=job_id):
+                return work(con)
         except duckdb.IOException:
             if attempt == tries - 1:
                 raise

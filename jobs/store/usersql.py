@@ -24,7 +24,7 @@ from typing import Any
 import duckdb
 
 from jobs.store.layout import StoreError
-from jobs.store.listing import pin
+from jobs.store.listing import over_listing
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_MAX_ROWS = 10_000
@@ -67,8 +67,8 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any] |
     for attempt in range(tries):
         try:
             # the store's files listed once for this try (listing.py); nothing on other connections
-            pin(con, job_id=job_id)
-            return _run_once(con, sql, params, timeout_s, max_rows)
+            with over_listing(con, job_id=job_id):
+                return _run_once(con, sql, params, timeout_s, max_rows)
         except UserSqlError as exc:
             if not isinstance(exc.__cause__, duckdb.IOException) or attempt == tries - 1:
                 raise
