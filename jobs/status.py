@@ -37,7 +37,7 @@ from jobs.store import (
 
 def jobs_status(data_dir: str) -> list[dict]:
     """One row per job: status, request counts, shard counts, rows done (live), tokens."""
-    con, broken = connect_reporting(data_dir, views=STATUS_BINDS)
+    con, broken = connect_reporting(data_dir, views=STATUS_BINDS, defer_default=True)
     try:
         jobs = {r["job_id"]: r for r in fetch_rows(
             con, f"{over_scans(JOBS_SELECT, once=True)} ORDER BY submitted_at, job_id")}
@@ -126,7 +126,8 @@ SELECT job.*, listed._bg_shard, listed._bg_n FROM job LEFT JOIN listed ON true W
 def job_status(manifest: JobManifest, all_shards: bool = True) -> dict:
     """One job: its `jobs` row, request counts, shard counts by state and its shards (every one, or
     only the running and failed ones), with live progress where running."""
-    con, broken = connect_reporting(manifest.data_dir, views=STATUS_BINDS)
+    con, broken = connect_reporting(manifest.data_dir, views=STATUS_BINDS,
+                                     defer_default=True)
     try:
         job, shards, by_state = run_listed(con, lambda c: _job_rows(c, manifest.job_id, all_shards),
                                            job_id=manifest.job_id)

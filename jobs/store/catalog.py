@@ -70,7 +70,8 @@ fences against `now()`, the start of the query's transaction, which every scan o
   catalog for the query where the listing holds each part of every kind in one file, and the default
   one again after. Its scans refuse, when bound, a listing that does not say so for their kind, a
   query from another catalog, or no listing; its fences are the listing's time whatever its age (a
-  listed file deleted meanwhile fails the query, which lists anew).
+  listed file deleted meanwhile fails the query, which lists anew). A short-lived connection may
+  leave the default catalog's views until a listing needs them (`connect_reporting(defer_default=)`).
 - Every kind has a zero-row `_schema.parquet`, so an empty data dir gives zero rows, not an error.
 - In `connect`'s in-memory views paths are absolute (resolved when the connection is made), so
   they work from any cwd; the catalog file's are relative (above).
@@ -100,6 +101,7 @@ from jobs.store.listing import (
     LISTED_CATALOG_MACRO,
     LISTING_VARIABLE,
     MAX_AGE_S,
+    defer_default_views,
     pin,
     schema_listing,
 )
@@ -863,9 +865,15 @@ def connect(data_dir: str | os.PathLike | None = None, *, read_only_user_sql: bo
 
 def connect_reporting(data_dir: str | os.PathLike | None = None, *, read_only_user_sql: bool = False,
                       memory_limit: str = "2GB", threads: int | None = None,
-                      views: Collection[str] | None = None,
+                      views: Collection[str] | None = None, defer_default: bool = False,
                       ) -> tuple[duckdb.DuckDBPyConnection, dict[str, str]]:
-    """`connect`, and {kind: error} for the kinds whose parts could not be read."""
+    """`connect`, and {kind: error} for the kinds whose parts could not be read.
+
+    `defer_default`: for a short-lived connection queried only through `listing.over_listing`
+    (`batchgen status`). Where the first listing holds each part of every kind once, only the listed
+    catalog's views are made now, bound over that listing (which opens every file of their scans, as
+    the default catalog's would: an unreadable part makes them the usual way instead); the default
+    catalog's, a third of such a connection's set-up, wait for a listing that needs them."""
     layout = init_data_dir(resolve_data_dir(data_dir), create=False)
     con = duckdb.connect(":memory:")
     try:
@@ -874,8 +882,10 @@ def connect_reporting(data_dir: str | os.PathLike | None = None, *, read_only_us
         if con.execute("SELECT current_database()").fetchone()[0] != DEFAULT_CATALOG:
             raise AssertionError(f"an in-memory connection's catalog is named {DEFAULT_CATALOG!r}")
         con.execute(f"CREATE SCHEMA IF NOT EXISTS {INTERNAL_SCHEMA}")
-        broken = _create_views_retrying(con, layout, views)
-        _create_listed(con, layout, views, broken)
+        broken = _create_listed_only(con, layout, views) if defer_default else None
+        if broken is None:
+            broken = _create_views_retrying(con, layout, views)
+            _create_listed(con, layout, views, broken)
         _create_macros(con, layout, views, broken)
         # queries run over the globs, each listing anew, unless the caller pins a listing for them
         # (`listing.over_listing`: run_query and fetch_rows do, before each query, and choose the catalog)
@@ -905,20 +915,39 @@ def _create_macros(con: duckdb.DuckDBPyConnection, layout: Layout, views: Collec
 
 
 def _create_listed(con: duckdb.DuckDBPyConnection, layout: Layout, views: Collection[str] | None,
-                   broken: dict[str, str]) -> None:
+                   broken: dict[str, str], *, over_pinned: bool = False) -> None:
     """The listed catalog (`LISTED_CATALOG`): the same views and macros, with every scan reading the
-    pinned listing's files as they are (`_listed_scan_sql`). `listing.pin` makes it the query's catalog
-    (`USE`) where the listing holds each part of every kind in one file, the default catalog otherwise.
-    Its views are bound over a listing of the schema files (no part file opened); a kind the default
-    catalog found unreadable gets the same stand-in."""
+    pinned listing's files as they are (`_listed_scan_sql`). `listing.over_listing` makes it the
+    query's catalog (`USE`) where the listing holds each part of every kind in one file, the default
+    catalog otherwise. Its views are bound over a listing of the schema files (no part file opened),
+    or with `over_pinned` over the listing pinned now; a kind the default catalog found unreadable
+    gets the same stand-in."""
     con.execute(f"ATTACH ':memory:' AS {LISTED_CATALOG}")
     con.execute(f"USE {LISTED_CATALOG}")
     try:
-        con.execute(f"SET VARIABLE {LISTING_VARIABLE} = $1", [schema_listing(layout).variable()])
+        if not over_pinned:
+            con.execute(f"SET VARIABLE {LISTING_VARIABLE} = $1", [schema_listing(layout).variable()])
         _create_view_set(con, layout, views=views, pinned=True, broken=broken)
         _create_macros(con, layout, views, broken, pinned=True)
     finally:
         con.execute(f"USE {DEFAULT_CATALOG}")
+
+
+def _create_listed_only(con: duckdb.DuckDBPyConnection, layout: Layout,
+                        views: Collection[str] | None) -> dict[str, str] | None:
+    """`connect_reporting(defer_default=True)`'s listed catalog, bound over the first listing, with the
+    default catalog's views left to `listing.over_listing` ({}: no kind unreadable); None, and nothing
+    made, where that listing may hold a part twice or a part could not be read (a corrupt one, or one
+    deleted since it was listed): then both catalogs are made the usual way."""
+    if not all(pin(con, layout).disjoint.values()):
+        return None
+    try:
+        _create_listed(con, layout, views, {}, over_pinned=True)
+    except (duckdb.IOException, duckdb.InvalidInputException):
+        con.execute(f"DETACH {LISTED_CATALOG}")
+        return None
+    defer_default_views(con, lambda c: _create_views_retrying(c, layout, views))
+    return {}
 
 
 BIND_TRIES = 4  # a view is bound again when a part it listed was deleted before it was opened

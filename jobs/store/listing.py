@@ -49,6 +49,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -324,6 +325,18 @@ def pin(con: duckdb.DuckDBPyConnection, layout: Layout | None = None, *,
     return listing
 
 
+# connections whose default catalog's views wait for the first listing that needs them (a short-lived
+# connection's, catalog.connect_reporting's `defer_default`): the connection -> what makes them
+_DEFERRED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def defer_default_views(con: duckdb.DuckDBPyConnection,
+                        make: Callable[[duckdb.DuckDBPyConnection], object]) -> None:
+    """Have `over_listing` run `make(con)` (it lists for itself) before the first query on `con` that
+    the default catalog must answer."""
+    _DEFERRED[con] = make
+
+
 @contextmanager
 def over_listing(con: duckdb.DuckDBPyConnection, layout: Layout | None = None, *,
                  job_id: str | None = None) -> Iterator[Listing | None]:
@@ -336,6 +349,10 @@ def over_listing(con: duckdb.DuckDBPyConnection, layout: Layout | None = None, *
         layout = Layout.of(root)
     listing = pin(con, layout, job_id=job_id) if layout is not None else None
     chosen = listed is not None and listing is not None and all(listing.disjoint.values())
+    if listing is not None and not chosen and con in _DEFERRED:
+        _DEFERRED.pop(con)(con)
+        listing = pin(con, layout, job_id=job_id)  # made again: the views were bound over their own
+        chosen = listed is not None and all(listing.disjoint.values())
     if chosen:
         con.execute(f"USE {listed}")
     try:

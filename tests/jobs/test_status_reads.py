@@ -46,29 +46,98 @@ def two_jobs(tmp_path_factory):
 
 
 def test_status_creates_only_the_scans_it_reads(two_jobs, monkeypatch):
-    """Creating a view binds it (every file of its scans opened), and each view over others binds them
-    again: `status` creates the scans it reads and the outputs' (for unreadable outputs), its queries
-    inline the views above them, and the `jobs` rows are computed from the shards."""
+    """Creating a view binds it, and each view over others binds them again: `status` creates the scans
+    it reads and the outputs' (for unreadable outputs), its queries inline the views above them, and
+    the `jobs` rows are computed from the shards. Over a listing that holds each part once, only the
+    listed catalog's scans are made (the default catalog's wait for a listing that needs them)."""
     from jobs.status import job_status, jobs_status
     from jobs.store import catalog
 
     data, ids = two_jobs
-    real, bound = catalog.create_views, []
+    real, bound = catalog._create_view_set, []
 
-    def create_views(con, layout, relative_to=None, views=None):
-        bound.append(catalog._with_dependencies(views))
-        return real(con, layout, relative_to, views)
+    def create_view_set(con, layout, relative_to=None, views=None, **kwargs):
+        bound.append((kwargs.get("pinned", False), catalog._with_dependencies(views)))
+        return real(con, layout, relative_to, views, **kwargs)
 
-    monkeypatch.setattr(catalog, "create_views", create_views)
+    monkeypatch.setattr(catalog, "_create_view_set", create_view_set)
     every = {r["job_id"]: r for r in jobs_status(str(data))}
     one = job_status(load_manifest(str(data), ids[0]), all_shards=False)
-    assert len(bound) == 2
-    for views in bound:
-        assert views == {"_bg.scan_job_records", "_bg.scan_job_events", "_bg.scan_shard_events",
-                         "_bg.scan_commits", "_bg.scan_outputs"}
+    assert bound == [(True, {"_bg.scan_job_records", "_bg.scan_job_events", "_bg.scan_shard_events",
+                             "_bg.scan_commits", "_bg.scan_outputs"})] * 2
     assert (every[ids[0]]["status"], every[ids[1]]["status"]) == ("running", "cancelled")
     assert one["shard_counts"] == {"queued": 1, "running": 1, "completed": 1, "failed": 1, "cancelled": 0,
                                    "total": 4}
+
+
+def test_status_makes_the_default_catalogs_scans_when_a_listing_needs_them(two_jobs, monkeypatch):
+    """A listing that may hold a part twice (a compactor died between its rename and its tombstone)
+    is read in the default catalog: a `status` connection that left its scans for later makes them
+    then, and answers as a full connection does."""
+    import importlib
+    import shutil
+
+    import duckdb
+
+    from jobs.store import JOBS_SELECT, STATUS_BINDS, catalog, connect_reporting, run_listed
+    from jobs.store.listing import LISTING_VARIABLE
+
+    compact = importlib.import_module("jobs.store.compact")
+    data, ids = two_jobs
+    copy = data.parent / "deferred"
+    shutil.copytree(data, copy)
+    con, broken = connect_reporting(copy, views=STATUS_BINDS, defer_default=True)
+    try:
+        assert broken == {}
+        assert not con.execute("SELECT count(*) FROM duckdb_views() WHERE database_name = 'memory' "
+                               "AND view_name = 'scan_commits'").fetchone()[0]
+
+        def die(*args, **kwargs):
+            raise OSError("killed before the tombstone")
+
+        monkeypatch.setattr(compact, "_write_tombstone", die)
+        with pytest.raises(OSError, match="killed before the tombstone"):
+            compact.compact_group(Store(copy).layout, "shard_events", ids[0])
+        monkeypatch.undo()
+
+        def jobs(c: duckdb.DuckDBPyConnection) -> tuple:
+            assert c.execute("SELECT current_database()").fetchone()[0] == "memory"
+            return sorted(c.execute(over_scans(JOBS_SELECT, once=True)).fetchall(), key=repr)
+
+        found = run_listed(con, jobs)
+        full = connect(copy)
+        try:
+            full.execute(f"RESET VARIABLE {LISTING_VARIABLE}")
+            assert found == sorted(full.execute(over_scans(JOBS_SELECT, once=True)).fetchall(), key=repr)
+        finally:
+            full.close()
+        assert con.execute("SELECT count(*) FROM duckdb_views() WHERE database_name = 'memory' "
+                           "AND view_name = 'scan_commits'").fetchone()[0] == 1
+        databases = {r[0] for r in con.execute("SELECT database_name FROM duckdb_databases()").fetchall()}
+        assert catalog.LISTED_CATALOG in databases
+    finally:
+        con.close()
+
+
+def test_status_over_an_unreadable_outputs_part_makes_both_catalogs_and_says_so(two_jobs):
+    """Binding the listed scans over the first listing met the bad part: the connection is made the
+    usual way, which reports the outputs unreadable (status then leaves the request counts unknown)."""
+    import shutil
+
+    from jobs.store import STATUS_BINDS, connect_reporting
+
+    data, ids = two_jobs
+    copy = data.parent / "bad-outputs"
+    shutil.copytree(data, copy)
+    [part, *_] = sorted((copy / "store" / "tables" / "outputs" / "raw").glob("*/*.parquet"))
+    part.write_bytes(b"not parquet")
+    con, broken = connect_reporting(copy, views=STATUS_BINDS, defer_default=True)
+    try:
+        assert set(broken) == {"outputs"} and part.name in broken["outputs"]
+        assert con.execute("SELECT count(*) FROM duckdb_views() WHERE database_name = 'memory' "
+                           "AND view_name = 'scan_commits'").fetchone()[0] == 1
+    finally:
+        con.close()
 
 
 def test_status_of_one_job_lists_its_parts_once(two_jobs, monkeypatch):
