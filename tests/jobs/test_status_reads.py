@@ -15,6 +15,7 @@ from jobs.cli import cli
 from jobs.manifest import load_manifest
 from jobs.store import Store, connect, jobs_over, over_scans
 from tests.jobs.helpers import MODEL
+from tests.jobs.store.test_store_disjoint import compaction_killed_before_its_tombstone
 from tests.jobs.store.test_store_job_counts import JOB, OTHER, make_jobs
 
 
@@ -74,7 +75,6 @@ def test_status_makes_the_default_catalogs_scans_when_a_listing_needs_them(two_j
     """A listing that may hold a part twice (a compactor died between its rename and its tombstone)
     is read in the default catalog: a `status` connection that left its scans for later makes them
     then, and answers as a full connection does."""
-    import importlib
     import shutil
 
     import duckdb
@@ -82,7 +82,6 @@ def test_status_makes_the_default_catalogs_scans_when_a_listing_needs_them(two_j
     from jobs.store import JOBS_SELECT, STATUS_BINDS, catalog, connect_reporting, run_listed
     from jobs.store.listing import LISTING_VARIABLE
 
-    compact = importlib.import_module("jobs.store.compact")
     data, ids = two_jobs
     copy = data.parent / "deferred"
     shutil.copytree(data, copy)
@@ -92,13 +91,7 @@ def test_status_makes_the_default_catalogs_scans_when_a_listing_needs_them(two_j
         assert not con.execute("SELECT count(*) FROM duckdb_views() WHERE database_name = 'memory' "
                                "AND view_name = 'scan_commits'").fetchone()[0]
 
-        def die(*args, **kwargs):
-            raise OSError("killed before the tombstone")
-
-        monkeypatch.setattr(compact, "_write_tombstone", die)
-        with pytest.raises(OSError, match="killed before the tombstone"):
-            compact.compact_group(Store(copy).layout, "shard_events", ids[0])
-        monkeypatch.undo()
+        compaction_killed_before_its_tombstone(monkeypatch, Store(copy).layout, "shard_events", ids[0])
 
         def jobs(c: duckdb.DuckDBPyConnection) -> tuple:
             assert c.execute("SELECT current_database()").fetchone()[0] == "memory"

@@ -100,21 +100,25 @@ def test_the_views_read_files_as_they_are_only_where_the_listing_says_so(tmp_pat
     assert _counts(tmp_path, lying)[:3] == tuple(2 * n for n in before[:3])
 
 
+def compaction_killed_before_its_tombstone(monkeypatch, layout, kind: str, group: str) -> None:
+    """Compact `kind`'s `group` with a compactor killed between its output's rename and its tombstone
+    (its `.renaming` marker stays)."""
+    def die(*args, **kwargs):
+        raise OSError("killed before the tombstone")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(compact, "_write_tombstone", die)
+        with pytest.raises(OSError, match="killed before the tombstone"):
+            compact_group(layout, kind, group)
+
+
 def test_an_output_renamed_in_before_its_tombstone_keeps_its_kind_chosen_part_by_part(tmp_path, monkeypatch):
     """A compactor that dies between its rename and its tombstone leaves its `.renaming` marker: the
     kinds whose groups it merged are not disjoint until a later compaction merges its output."""
     store = Store(tmp_path)
     _fill(store)
     before = _counts(tmp_path)
-
-    def die(*args, **kwargs):
-        raise OSError("killed before the tombstone")
-
-    monkeypatch.setattr(compact, "_write_tombstone", die)
-    with pytest.raises(OSError, match="killed before the tombstone"):
-        compact_group(store.layout, "outputs", "job-d")
-    monkeypatch.undo()
-    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)
+    compaction_killed_before_its_tombstone(monkeypatch, store.layout, "outputs", "job-d")
     [marker] = store.layout.gc.glob(f"*{RENAMING_SUFFIX}")
     assert marker.name.startswith("outputs~job-d~")
     found = list_files(store.layout)

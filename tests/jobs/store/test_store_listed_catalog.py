@@ -5,7 +5,6 @@ and its scans refuse any other use rather than read a part twice."""
 
 from __future__ import annotations
 
-import importlib
 import time
 
 import duckdb
@@ -14,7 +13,7 @@ import pytest
 from engine.stats import IterationStats, RequestStats
 from jobs.store import catalog, listing
 from jobs.store.catalog import connect
-from jobs.store.compact import collect_garbage, compact_group, compact_job
+from jobs.store.compact import collect_garbage, compact_job
 from jobs.store.listing import (
     DEFAULT_CATALOG,
     LISTED_CATALOG,
@@ -28,8 +27,7 @@ from jobs.store.parts import Store
 from jobs.store.queries import QUERIES
 from jobs.store.schemas import KINDS, JobRecord
 from jobs.store.usersql import run_query
-
-compact = importlib.import_module("jobs.store.compact")  # (the package's `compact` is the function)
+from tests.jobs.store.test_store_disjoint import compaction_killed_before_its_tombstone
 
 VIEWS = ("jobs", "shards", "outputs", "requests", "requests_live", "iterations", "sweeps", "_bg.winners",
          "_bg.request_digests_live", "_bg.iteration_seconds", "_bg.shard_status_counts", "_bg.job_shards",
@@ -134,15 +132,7 @@ def test_a_listing_that_may_hold_a_part_twice_keeps_the_default_catalog(tmp_path
     store = Store(tmp_path)
     _fill(store)
     before, _, _ = _both(tmp_path)
-
-    def die(*args, **kwargs):
-        raise OSError("killed before the tombstone")
-
-    monkeypatch.setattr(compact, "_write_tombstone", die)
-    with pytest.raises(OSError, match="killed before the tombstone"):
-        compact_group(store.layout, "outputs", "job-a")
-    monkeypatch.undo()
-    monkeypatch.setattr(catalog, "ACTIVATION_DELAY_S", 0.0)
+    compaction_killed_before_its_tombstone(monkeypatch, store.layout, "outputs", "job-a")
     assert list(store.layout.gc.glob(f"*{RENAMING_SUFFIX}"))
     assert not list_files(store.layout).disjoint["outputs"]
     found, default, chosen = _both(tmp_path)
