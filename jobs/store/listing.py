@@ -350,7 +350,8 @@ def over_listing(con: duckdb.DuckDBPyConnection, layout: Layout | None = None, *
     listing = pin(con, layout, job_id=job_id) if layout is not None else None
     chosen = listed is not None and listing is not None and all(listing.disjoint.values())
     if listing is not None and not chosen and con in _DEFERRED:
-        _DEFERRED.pop(con)(con)
+        _DEFERRED[con](con)  # kept until it succeeds: a try that failed is made again next time
+        del _DEFERRED[con]
         listing = pin(con, layout, job_id=job_id)  # made again: the views were bound over their own
         chosen = listed is not None and all(listing.disjoint.values())
     if chosen:

@@ -112,6 +112,37 @@ def test_status_makes_the_default_catalogs_scans_when_a_listing_needs_them(two_j
         con.close()
 
 
+def test_deferred_scans_that_met_a_deleted_part_are_made_again_on_the_next_try(two_jobs, monkeypatch):
+    """Making the default catalog's scans can meet a part deleted after its listing on every one of its
+    BIND_TRIES: the query's next try (run_listed lists anew) makes them again, not a catalog without
+    them."""
+    import shutil
+
+    import duckdb
+
+    from jobs.store import JOBS_SELECT, STATUS_BINDS, catalog, connect_reporting, run_listed
+
+    data, ids = two_jobs
+    copy = data.parent / "deferred-retried"
+    shutil.copytree(data, copy)
+    con, _ = connect_reporting(copy, views=STATUS_BINDS, defer_default=True)
+    try:
+        compaction_killed_before_its_tombstone(monkeypatch, Store(copy).layout, "shard_events", ids[0])
+        real, calls = catalog.create_views, []
+
+        def flaky(*args, **kwargs):
+            calls.append(1)
+            if len(calls) <= catalog.BIND_TRIES:
+                raise duckdb.IOException('IO Error: Cannot open file "gone.parquet": No such file')
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(catalog, "create_views", flaky)
+        rows = run_listed(con, lambda c: c.execute(over_scans(JOBS_SELECT, once=True)).fetchall())
+        assert len(rows) == 2 and len(calls) == catalog.BIND_TRIES + 1
+    finally:
+        con.close()
+
+
 def test_status_over_an_unreadable_outputs_part_makes_both_catalogs_and_says_so(two_jobs):
     """Binding the listed scans over the first listing met the bad part: the connection is made the
     usual way, which reports the outputs unreadable (status then leaves the request counts unknown)."""
