@@ -21,6 +21,8 @@ from jobs.store import (
     ROLLUP_AVERAGED,
     ROLLUP_LATEST,
     ROLLUP_SUMMED,
+    SHARDS_PAGE,
+    SHARDS_PAGE_ORDER,
     TIMED_OUTPUT,
     over_scans,
     sampled_rows_sql,
@@ -75,13 +77,12 @@ JOB_SUMMARY_SCAN = over_scans(_JOBS_SUMMARY.format(
     once=True) + _SUMMARY_ORDER
 
 # One page of a job's shards: the ones that need a look first (failed, then running), then the
-# rest by id; `$status` (NULL = every status) narrows the list to one status
-JOB_SHARDS_PAGE = """
+# rest by id; `$status` (NULL = every status) narrows the list to one status. The `shards` view's rows
+# of the page only (`SHARDS_PAGE`: no row made for each committed shard off the page)
+JOB_SHARDS_PAGE = f"""
 SELECT shard_id, status, attempts, worker_id, num_requests, rows_done, output_tokens,
        epoch(started_at) AS started_ts, epoch(finished_at) AS finished_ts, error
-FROM shards WHERE job_id = $job_id AND ($status IS NULL OR status = $status)
-ORDER BY CASE status WHEN 'failed' THEN 0 WHEN 'running' THEN 1 ELSE 2 END, shard_id
-LIMIT $limit OFFSET $offset
+FROM ({SHARDS_PAGE}) ORDER BY {SHARDS_PAGE_ORDER}
 """
 # (from `_bg.shard_status_counts`: the `shards` rows' counts, without a row per committed shard)
 JOB_SHARD_COUNTS = "SELECT status, n FROM _bg.shard_status_counts WHERE job_id = $job_id"

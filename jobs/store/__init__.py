@@ -73,6 +73,8 @@ Everything outside this package imports from here, never from its modules (tests
 from jobs.store.catalog import (
     JOB_SHARDS_CTES,
     JOBS_SELECT,
+    SHARDS_PAGE,
+    SHARDS_PAGE_ORDER,
     STATUS_BINDS,
     STATUS_VIEWS,
     connect,
@@ -127,7 +129,8 @@ from jobs.store.workers import WorkerRecord, no_worker_warning, read_worker_reco
 __all__ = [
     "DEFAULT_ADDRESS_SPACE_BYTES", "DEFAULT_MAX_CONCURRENT", "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_MEMORY_LIMIT",
-    "QueryBusy", "STATUS_BINDS", "STATUS_VIEWS", "SqlLimits", "connect_reporting", "run_sandboxed",
+    "QueryBusy", "SHARDS_PAGE", "SHARDS_PAGE_ORDER",
+    "STATUS_BINDS", "STATUS_VIEWS", "SqlLimits", "connect_reporting", "run_sandboxed",
     "unreadable_part_message",
     "CheckReport", "check_store", "missing_rows", "quarantine",
     "DIGEST_LEVELS", "LATENCY_METRICS", "TIMED_OUTPUT", "sampled_rows_sql", "source_level",

@@ -383,3 +383,11 @@ def test_the_jobs_shard_counts_and_the_uncommitted_shards_are_those_of_the_shard
     counts = "SELECT job_id, status, count(*) FROM shards GROUP BY ALL ORDER BY ALL"
     assert (con.execute("SELECT * FROM _bg.shard_status_counts ORDER BY ALL").fetchall()
             == con.execute(counts).fetchall())
+    # a page of a job's shards (`SHARDS_PAGE`) is that of the `shards` view's rows
+    page = f"SELECT * FROM ({catalog.SHARDS_PAGE}) ORDER BY {catalog.SHARDS_PAGE_ORDER}"
+    of_view = (f"SELECT * FROM shards WHERE job_id = $job_id AND ($status IS NULL OR status = $status) "
+               f"ORDER BY {catalog.SHARDS_PAGE_ORDER} LIMIT $limit OFFSET $offset")
+    for job, status, offset in (("j", None, 0), ("j", None, 2), ("k", None, 0), ("j", "completed", 1),
+                                ("k", "queued", 0), ("j", "failed", 0)):
+        params = {"job_id": job, "status": status, "limit": 3, "offset": offset}
+        assert con.execute(page, params).fetchall() == con.execute(of_view, params).fetchall()
