@@ -21,6 +21,7 @@ from jobs.store import (
     ROLLUP_AVERAGED,
     ROLLUP_LATEST,
     ROLLUP_SUMMED,
+    SHARD_WORKERS,
     SHARDS_PAGE,
     SHARDS_PAGE_ORDER,
     TIMED_OUTPUT,
@@ -86,11 +87,9 @@ FROM ({SHARDS_PAGE}) ORDER BY {SHARDS_PAGE_ORDER}
 """
 # (from `_bg.shard_status_counts`: the `shards` rows' counts, without a row per committed shard)
 JOB_SHARD_COUNTS = "SELECT status, n FROM _bg.shard_status_counts WHERE job_id = $job_id"
-# the workers that ran a job's shards (one row each, however many shards)
-JOB_SHARD_WORKERS = """
-SELECT DISTINCT worker_id FROM shards WHERE job_id = $job_id AND worker_id IS NOT NULL
-ORDER BY worker_id LIMIT $limit
-"""
+# the workers that ran a job's shards (one row each, however many shards; `SHARD_WORKERS`: no row made
+# for each committed shard)
+JOB_SHARD_WORKERS = SHARD_WORKERS
 
 # A sample of outputs: the first committed shards' rows (as many shards as hold $limit rows), first by
 # request id (numeric ids in numeric order). Shards are cut in input order, so these are the first

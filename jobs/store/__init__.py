@@ -73,6 +73,7 @@ Everything outside this package imports from here, never from its modules (tests
 from jobs.store.catalog import (
     JOB_SHARDS_CTES,
     JOBS_SELECT,
+    SHARD_WORKERS,
     SHARDS_PAGE,
     SHARDS_PAGE_ORDER,
     STATUS_BINDS,
@@ -129,7 +130,7 @@ from jobs.store.workers import WorkerRecord, no_worker_warning, read_worker_reco
 __all__ = [
     "DEFAULT_ADDRESS_SPACE_BYTES", "DEFAULT_MAX_CONCURRENT", "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_MEMORY_LIMIT",
-    "QueryBusy", "SHARDS_PAGE", "SHARDS_PAGE_ORDER",
+    "QueryBusy", "SHARD_WORKERS", "SHARDS_PAGE", "SHARDS_PAGE_ORDER",
     "STATUS_BINDS", "STATUS_VIEWS", "SqlLimits", "connect_reporting", "run_sandboxed",
     "unreadable_part_message",
     "CheckReport", "check_store", "missing_rows", "quarantine",

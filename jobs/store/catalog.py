@@ -583,7 +583,7 @@ SHARDS_PAGE_ORDER = "CASE status WHEN 'failed' THEN 0 WHEN 'running' THEN 1 ELSE
 # aggregated) and the winning commits (a committed shard is 'completed'), and only the page's committed
 # shards have their events aggregated for their rows. 39,063 shards, 95% committed: the page's events
 # aggregate ran over every shard's events.
-_PAGE_EVENTS = "(SELECT * FROM ev SEMI JOIN keys USING (job_id, shard_id))"  # the page's committed shards'
+_PAGE_EVENTS = "(SELECT * FROM ev SEMI JOIN keys USING (job_id, shard_id))"  # the events of `keys`' shards
 SHARDS_PAGE = f"""
 WITH w AS MATERIALIZED (
     SELECT * FROM _bg.winners WHERE job_id = $job_id
@@ -605,6 +605,33 @@ SELECT * FROM (
     ), a AS ({_SHARD_EVENT_AGG_OVER.format(events=_PAGE_EVENTS)})
     {_SHARD_ROWS}
 )
+"""
+
+
+# `SELECT DISTINCT worker_id FROM shards WHERE job_id = $job_id AND worker_id IS NOT NULL ORDER BY
+# worker_id LIMIT $limit` (the workers that ran a job's shards) without a row per committed shard: a
+# committed shard's worker is its winning commit's, or where that names none its events' last `running`
+# one (only those shards' events aggregated)
+SHARD_WORKERS = f"""
+WITH w AS MATERIALIZED (
+    SELECT * FROM _bg.winners WHERE job_id = $job_id
+), ev AS MATERIALIZED (
+    SELECT * FROM _bg.scan_shard_events WHERE job_id = $job_id
+), {_UNCOMMITTED_SHARDS_CTES}, u AS MATERIALIZED (
+    SELECT * FROM ({_SHARD_ROWS}) WHERE job_id = $job_id
+)
+SELECT DISTINCT worker_id FROM (
+    SELECT worker_id FROM u
+    UNION ALL
+    SELECT worker_id FROM w
+    UNION ALL
+    SELECT * FROM (
+        WITH keys AS (
+            SELECT job_id, shard_id FROM w WHERE worker_id IS NULL
+        ), a AS ({_SHARD_EVENT_AGG_OVER.format(events=_PAGE_EVENTS)})
+        SELECT last_worker FROM a
+    )
+) WHERE worker_id IS NOT NULL ORDER BY worker_id LIMIT $limit
 """
 
 

@@ -346,6 +346,8 @@ _JOB = st.tuples(st.sampled_from(["j", "k", "m"]), st.integers(0, 4), st.sampled
        st.lists(_COMMIT, max_size=8), st.lists(_JOB, max_size=3))
 @example([("j", (1, "running", 1, 3, "boom", "a1", 5)), ("j", (1, "failed", 1, 4, "boom", "a1", None))],
          [("j", 0, 9, True), ("k", 5, 2, False)], [("j", 3, 20), ("k", 2, None)])  # a failed shard's error
+# a commit that names no worker: the one of its events counts
+@example([("j", (2, "running", 1, 3, None, "a1", 5))], [("j", 2, 9, True)], [("j", 3, None)])
 @settings(max_examples=80, deadline=None)
 def test_the_jobs_shard_counts_and_the_uncommitted_shards_are_those_of_the_shards_view(events, commits, jobs):
     """`_bg.job_shards` counts a job's shards without a row per committed shard, from rows of the
@@ -364,8 +366,10 @@ def test_the_jobs_shard_counts_and_the_uncommitted_shards_are_those_of_the_shard
     winners = {(job, shard): (ts, counted) for job, shard, ts, counted in commits}  # one per shard
     for (job, shard), (ts, counted) in winners.items():
         n = shard + 2
-        con.execute("INSERT INTO _bg.winners VALUES (?, ?, 'w9', ?, ?, ?, ?, 1, ?, ?, ?, ?)",
-                    [job, shard, n, float(ts), 3 * n, 2 * n] + ([n - 1, 1, 0, 1] if counted else [None] * 4))
+        worker = None if shard % 3 == 2 else "w9"  # a commit that names no worker: its events' last does
+        con.execute("INSERT INTO _bg.winners VALUES (?, ?, ?, ?, ?, ?, ?, 1, ?, ?, ?, ?)",
+                    [job, shard, worker, n, float(ts), 3 * n, 2 * n]
+                    + ([n - 1, 1, 0, 1] if counted else [None] * 4))
     con.execute("CREATE TABLE _bg.job_records (job_id VARCHAR, num_shards INTEGER)")
     con.execute("CREATE TABLE _bg.cancels (job_id VARCHAR, cancel_ts DOUBLE, cancel_reason VARCHAR)")
     for job, num_shards, cancel_ts in {job[0]: job for job in jobs}.values():
@@ -391,3 +395,10 @@ def test_the_jobs_shard_counts_and_the_uncommitted_shards_are_those_of_the_shard
                                 ("k", "queued", 0), ("j", "failed", 0)):
         params = {"job_id": job, "status": status, "limit": 3, "offset": offset}
         assert con.execute(page, params).fetchall() == con.execute(of_view, params).fetchall()
+    # and the workers that ran a job's shards (`SHARD_WORKERS`)
+    workers = ("SELECT DISTINCT worker_id FROM shards WHERE job_id = $job_id AND worker_id IS NOT NULL "
+               "ORDER BY worker_id LIMIT $limit")
+    for job in ("j", "k"):
+        params = {"job_id": job, "limit": 5}
+        assert (con.execute(catalog.SHARD_WORKERS, params).fetchall()
+                == con.execute(workers, params).fetchall())
