@@ -584,14 +584,17 @@ SHARDS_PAGE_ORDER = "CASE status WHEN 'failed' THEN 0 WHEN 'running' THEN 1 ELSE
 # shards have their events aggregated for their rows. 39,063 shards, 95% committed: the page's events
 # aggregate ran over every shard's events.
 _PAGE_EVENTS = "(SELECT * FROM ev SEMI JOIN keys USING (job_id, shard_id))"  # the events of `keys`' shards
-SHARDS_PAGE = f"""
-WITH w AS MATERIALIZED (
+# $job_id's winning commits `w`, shard events `ev` and the `shards` rows `u` of its shards without a
+# winning commit (`_UNCOMMITTED_SHARDS_CTES`)
+_ONE_JOBS_UNCOMMITTED = f"""WITH w AS MATERIALIZED (
     SELECT * FROM _bg.winners WHERE job_id = $job_id
 ), ev AS MATERIALIZED (
     SELECT * FROM _bg.scan_shard_events WHERE job_id = $job_id
 ), {_UNCOMMITTED_SHARDS_CTES}, u AS MATERIALIZED (
     SELECT * FROM ({_SHARD_ROWS}) WHERE job_id = $job_id
-), page AS MATERIALIZED (
+)"""
+SHARDS_PAGE = f"""
+{_ONE_JOBS_UNCOMMITTED}, page AS MATERIALIZED (
     SELECT shard_id, status
     FROM (SELECT shard_id, status FROM u UNION ALL SELECT shard_id, 'completed' AS status FROM w)
     WHERE $status IS NULL OR status = $status
@@ -613,13 +616,7 @@ SELECT * FROM (
 # committed shard's worker is its winning commit's, or where that names none its events' last `running`
 # one (only those shards' events aggregated)
 SHARD_WORKERS = f"""
-WITH w AS MATERIALIZED (
-    SELECT * FROM _bg.winners WHERE job_id = $job_id
-), ev AS MATERIALIZED (
-    SELECT * FROM _bg.scan_shard_events WHERE job_id = $job_id
-), {_UNCOMMITTED_SHARDS_CTES}, u AS MATERIALIZED (
-    SELECT * FROM ({_SHARD_ROWS}) WHERE job_id = $job_id
-)
+{_ONE_JOBS_UNCOMMITTED}
 SELECT DISTINCT worker_id FROM (
     SELECT worker_id FROM u
     UNION ALL
