@@ -69,8 +69,8 @@ LISTING_VARIABLE = "_bg_listing"  # struct {listed_at, <kind>: [files]} of the l
 MAX_AGE_S = 2.0
 DATA_DIR_MACRO = "_bg.data_dir"  # a `connect()` connection's data dir, for `pin`
 # A `connect()` connection's views are in two catalogs: the default one's scans read any listing (or
-# their globs), the listed one's read the pinned listing as it is (catalog.py). `pin` makes the listed
-# one the cursor's catalog (`USE`) where the listing holds each part of every kind in one file.
+# their globs), the listed one's read the pinned listing as it is (catalog.py). `over_listing` makes the
+# listed one the cursor's catalog (`USE`) where the listing holds each part of every kind in one file.
 DEFAULT_CATALOG = "memory"  # DuckDB's name for an in-memory connection's own catalog
 LISTED_CATALOG = "_bg_listed"
 LISTED_CATALOG_MACRO = "_bg.listed_catalog"  # its name, on a connection that has one (for `pin`)
@@ -382,10 +382,7 @@ def _pin_target(con: duckdb.DuckDBPyConnection) -> tuple[str | None, str | None]
 
 def data_dir_of(con: duckdb.DuckDBPyConnection) -> str | None:
     """The data dir whose views a `connect()` connection (or a cursor of one) holds, else None."""
-    try:
-        return con.execute(f"SELECT {DATA_DIR_MACRO}()").fetchone()[0]
-    except duckdb.CatalogException:
-        return None
+    return _pin_target(con)[0]
 
 
 T = TypeVar("T")
