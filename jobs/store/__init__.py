@@ -15,6 +15,7 @@ Layout of a data dir (DATA_DIR: `--data-dir`, `$BATCHGEN_DATA_DIR`, default `./d
         tmp/                       temporary names (outside every glob); renamed into tables/
         gc/                        tombstones: inputs of a compaction, deleted after a grace period
         rollups/iterations/<group>/<compacted file's name>   its per-second rollups (`rollups.py`)
+        rollups/request_digests/<group>/<compacted file's name>   its sampled request rows, flat
         locks/                     one lock file per group being compacted
       (samples/, jobs/, ... belong to other parts of batchgen)
 
@@ -56,8 +57,9 @@ Public API:
   (`check.py`, behind `batchgen store check`, which lives in jobs.repair: repairing marks shards lost
   through the jobs layer's shard ledger).
 - request digests (`digests.py`): `LATENCY_METRICS`, `TIMED_OUTPUT` (the metrics' one definition),
-  `DIGEST_LEVELS`, `sampled_rows_sql(level)`, `source_level(rows, undigested)`: what a large job's
-  live figures read instead of every request row (`_bg.request_digests_live`).
+  `DIGEST_LEVELS`, `sampled_rows_sql(level, digests)`, `source_level(rows, undigested)`: what a large job's
+  live figures read instead of every request row (`_bg.request_digests_live`; the samples through
+  `_bg.request_samples(level)`, from the compacted digests' sample twins).
 - per-second rollups of the iterations (`rollups.py`): `ROLLUP_AVERAGED`, `ROLLUP_SUMMED`, `ROLLUP_LATEST`
   (the columns they keep), read through `_bg.iteration_seconds`: what a long job's iteration chart reads.
 - maintenance: `compact`, `compact_job`, `compact_telemetry`, `collect_garbage` (`compact.py`).

@@ -92,7 +92,8 @@ from pathlib import Path
 
 import duckdb
 
-from jobs.store import rollups
+from jobs.store import digests, rollups
+from jobs.store.digests import SAMPLES_MACRO
 from jobs.store.layout import DATA_DIR_ENV, DEFAULT_DATA_DIR, SCHEMA_VERSION, Layout, init_data_dir
 from jobs.store.listing import (
     DATA_DIR_MACRO,
@@ -350,6 +351,27 @@ UNION ALL BY NAME
 SELECT * FROM ({_ranked_scan_sql(files, "", rows)}) WHERE {_PINNED} AND NOT {disjoint}
 UNION ALL BY NAME
 SELECT * FROM ({computed}) WHERE NOT {_PINNED}
+"""
+
+
+def _samples_macro_sql(layout: Layout, pinned: bool, broken: dict[str, str]) -> str:
+    """The body of `SAMPLES_MACRO(lvl)`: the sampled request rows of level >= lvl of every request digest
+    (`digests.sample_rows_select`). The listed catalog's (`pinned`) read the sample twins of the listed
+    compacted digests files (`jobs.store.rollups`), and the samples of the other listed digests files:
+    the listing holds each part in one file, and a twin the same digests as its file. The default
+    catalog's (over any listing, or none) read those of the digests' scan, as does the listed one's
+    where the digests are unreadable (the scan's stand-in names the file)."""
+    kind = rollups.SAMPLED_KIND
+    if not pinned or kind in broken:
+        return digests.sample_rows_select(f"_bg.scan_{kind}", "lvl")
+    read = "union_by_name = true, hive_partitioning = false"
+    twins = _listed_files_sql(kind, "digest_twins")
+    untwinned = f"read_parquet({_listed_files_sql(kind, 'digests_untwinned')}, {read})"
+    return f"""
+SELECT * EXCLUDE ({digests.SAMPLE_TWIN_LEVEL}) FROM read_parquet({twins}, {read})
+WHERE {digests.SAMPLE_TWIN_LEVEL} >= lvl
+UNION ALL BY NAME
+{digests.sample_rows_select(untwinned, "lvl")}
 """
 
 
@@ -969,6 +991,9 @@ def _create_macros(con: duckdb.DuckDBPyConnection, layout: Layout, views: Collec
         body = ("SELECT * FROM outputs WHERE job_id = job" if "outputs" in broken
                 else _outputs_of_shards_sql(layout, pinned))
         con.execute(f"CREATE MACRO {OUTPUTS_OF_SHARDS_MACRO}(job, lo, hi) AS TABLE {body}")
+    if views is None or f"_bg.scan_{rollups.SAMPLED_KIND}" in _with_dependencies(views):
+        body = _samples_macro_sql(layout, pinned, broken)
+        con.execute(f"CREATE MACRO {SAMPLES_MACRO}(lvl) AS TABLE {body}")
     con.execute(f"CREATE MACRO {DATA_DIR_MACRO}() AS {_q(str(layout.root))}")
     con.execute(f"CREATE MACRO {LISTED_CATALOG_MACRO}() AS {_q(LISTED_CATALOG)}")
 

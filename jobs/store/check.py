@@ -5,8 +5,8 @@ committed rows that are gone.
 and with `deep=True` every row group) and says, for each one that fails, what its rows were:
 
 - `_schema.parquet` (a kind's zero-row schema file): **re-derivable**, the next connection writes it anew;
-- a rollup twin under `store/rollups/` (jobs.store.rollups): **re-derivable**, the views compute the
-  rollups of its compacted file from its rows once it is moved aside;
+- a twin under `store/rollups/` (jobs.store.rollups: the iterations' rollups, the request digests'
+  samples): **re-derivable**, the views compute it from its compacted file's rows once it is moved aside;
 - a raw part whose `_bg_part` rows are in a readable compacted file of its group: **re-derivable**
   (the views take those rows from the compacted file);
 - a compacted file whose merged inputs are all still on disk and readable (its compaction's tombstone
@@ -36,7 +36,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from jobs.store.layout import ROLLUPS_DIR, Layout, init_data_dir
-from jobs.store.schemas import PART_COLUMN
+from jobs.store.schemas import PART_COLUMN, ROLLED_UP_KIND
 
 QUARANTINE_DIR = "quarantine"
 _COMPACTED_TIME = re.compile(r"^c(\d{16})~")
@@ -128,8 +128,9 @@ def _classify(layout: Layout, path: Path, error: str, errors: dict[Path, str]) -
     if where == "schema":
         return BadFile(path, kind, group, error, "re-derivable", "the kind's empty schema file, written anew")
     if where == "rollups":
+        what = "per-second rollups" if kind == ROLLED_UP_KIND else "the sampled request rows"
         return BadFile(path, kind, group, error, "re-derivable",
-                       f"per-second rollups of {path.name}: computed from its rows once moved aside")
+                       f"{what} of {path.name} (its twin): computed from its rows once moved aside")
     if where == "raw":
         holder = _compacted_holder(layout, kind, group, path.name, errors)
         if holder is not None:

@@ -348,9 +348,9 @@ def _stale_markers(layout: Layout, now: float) -> list[Path]:
 
 
 def _superseded(layout: Layout, info: dict) -> list[Path]:
-    """The files a tombstone lets go: its inputs, and the rollup twins of its compacted ones."""
+    """The files a tombstone lets go: its inputs, and the twins of its compacted ones."""
     files = [layout.file(p) for p in info["files"]]
-    if info["kind"] == rollups.KIND:
+    if info["kind"] in rollups.TWINNED_KINDS:
         files += [rollups.twin_of(layout, p) for p in files if p.parent.parent.name == "compacted"]
     return files
 
@@ -485,16 +485,16 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path, *,
                              f"{str(exc).splitlines()[0]}") from exc
         rows = con.execute(f"SELECT count(*) FROM read_parquet('{tmp}')").fetchall()[0][0]
         _fsync(tmp)
-        if kind == rollups.KIND:  # its rollup twin, renamed in before it (jobs.store.rollups)
-            con.execute(f"COPY ({rollups.rollup_select(f'read_parquet({_q(tmp)})')}) TO {_q(twin_tmp)} "
-                        "(FORMAT parquet, COMPRESSION zstd)")
+        if kind in rollups.TWINNED_KINDS:  # its twin, renamed in before it (jobs.store.rollups)
+            con.execute(f"COPY ({rollups.twin_select(kind, f'read_parquet({_q(tmp)})')}) TO {_q(twin_tmp)} "
+                        f"({rollups.twin_copy_options(kind)})")
             _fsync(twin_tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
         # the marker names the output before it is in place (removed with the tombstone)
         uid = MARKED_UID_PREFIX + new_uid()
         write_atomic(layout.gc / marker_name(kind, out_dir.name, uid, RENAMING_SUFFIX), b"", layout.tmp)
         output = out_dir / _compacted_name(uid)
-        if kind == rollups.KIND:
+        if kind in rollups.TWINNED_KINDS:
             twin = rollups.twin_of(layout, output)
             twin.parent.mkdir(parents=True, exist_ok=True)
             os.replace(twin_tmp, twin)

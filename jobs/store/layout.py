@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.store.schemas import KIND_SCHEMAS, ROLLED_UP_KIND, ROLLUPS
+from jobs.store.schemas import KIND_SCHEMAS, ROLLED_UP_KIND, ROLLUPS, SAMPLE_TWINS, SAMPLED_KIND
 
 # Bump when the part schemas or their meaning change; add a migration to MIGRATIONS below.
 # v2: commits gain `lost` (a row that revokes a commit whose rows were lost; null in a commit).
@@ -103,7 +103,7 @@ class Layout:
         return self.kind_dir(kind) / "compacted" / group
 
     def rollup_dir(self, kind: str) -> Path:
-        """Where the rollup twins of a kind's compacted files go (jobs.store.rollups)."""
+        """Where the twins of a kind's compacted files go (jobs.store.rollups)."""
         return self.store / ROLLUPS_DIR / kind
 
     def relative(self, path: Path) -> str:
@@ -197,9 +197,10 @@ def _write_version(layout: Layout) -> None:
 
 def _write_schema_files(layout: Layout) -> None:
     """A zero-row file per kind keeps its glob non-empty and fixes the base column types; one for the
-    rollup twins keeps their list in a listing non-empty (jobs.store.rollups)."""
+    twins of each kind that has them keeps their list in a listing non-empty (jobs.store.rollups)."""
     files = [(layout.kind_dir(kind) / "_schema.parquet", schema) for kind, schema in KIND_SCHEMAS.items()]
     files.append((layout.rollup_dir(ROLLED_UP_KIND) / "_schema.parquet", ROLLUPS))
+    files.append((layout.rollup_dir(SAMPLED_KIND) / "_schema.parquet", SAMPLE_TWINS))
     for path, schema in files:
         found = _schema_of(path) if path.exists() else None
         if found is not None and found.equals(schema, check_metadata=False):

@@ -60,7 +60,7 @@ import duckdb
 
 from jobs.store import rollups
 from jobs.store.layout import Layout, StoreError, check_id
-from jobs.store.schemas import JOB_KINDS, KINDS
+from jobs.store.schemas import JOB_KINDS, KINDS, SAMPLED_KIND
 
 LISTING_VARIABLE = "_bg_listing"  # struct {listed_at, <kind>: [files]} of the latest pin
 # a pinned listing older than this is not used (the views read their globs): a listed file is deleted
@@ -87,11 +87,16 @@ class Listing:
     iterations_untwinned: list[str] = field(default_factory=list)
     # kind -> no part of it is in two of its listed files (see the module docstring)
     disjoint: dict[str, bool] = field(default_factory=dict)
+    # the same for the request digests' sample twins (their schema file first) and the listed digests
+    # files without one
+    digest_twins: list[str] = field(default_factory=list)
+    digests_untwinned: list[str] = field(default_factory=list)
 
     def variable(self) -> dict:
         return {"listed_at": self.listed_at, **self.files, "iteration_twins": self.iteration_twins,
                 "iterations_untwinned": self.iterations_untwinned,
-                "disjoint": {kind: self.disjoint.get(kind, False) for kind in KINDS}}
+                "disjoint": {kind: self.disjoint.get(kind, False) for kind in KINDS},
+                "digest_twins": self.digest_twins, "digests_untwinned": self.digests_untwinned}
 
 
 def list_files(layout: Layout, job_id: str | None = None) -> Listing:
@@ -113,14 +118,21 @@ def list_files(layout: Layout, job_id: str | None = None) -> Listing:
     # a kind with no file at all (its `_schema.parquet` gone) keeps its glob: the same error as before
     kept = {kind: [p for p in paths if p not in merged] or [layout.glob(kind)]
             for kind, paths in files.items()}
-    twins, untwinned = rollups.twins_listed(layout, kept[rollups.KIND])
-    twins = [str(rollups.schema_file(layout)), *twins]
+    twins, untwinned = _twins(layout, kept, rollups.KIND)
+    digest_twins, digests_untwinned = _twins(layout, kept, SAMPLED_KIND)
     overlapping = _overlapping(tombstones.values(), {p for paths in kept.values() for p in paths})
     overlapping |= _unmarked_leftovers(layout, kept, {output for output, _ in tombstones.values()})
     renaming, suspect = first.renaming | second.renaming, first.suspect | second.suspect
     disjoint = {kind: _disjoint(layout, kind, paths, overlapping, renaming, suspect)
                 for kind, paths in kept.items()}
-    return Listing(listed_at, kept, len(merged & listed), twins, untwinned, disjoint)
+    return Listing(listed_at, kept, len(merged & listed), twins, untwinned, disjoint, digest_twins,
+                   digests_untwinned)
+
+
+def _twins(layout: Layout, kept: dict[str, list[str]], kind: str) -> tuple[list[str], list[str]]:
+    """(the kind's twins, its schema file first; its listed files without one): jobs.store.rollups."""
+    twins, untwinned = rollups.twins_listed(layout, kept[kind], kind)
+    return [str(rollups.schema_file(layout, kind)), *twins], untwinned
 
 
 def _overlapping(tombstones, kept: set[str]) -> set[str]:
@@ -368,7 +380,8 @@ def schema_listing(layout: Layout) -> Listing:
     views are bound over when they are created (catalog.py), so that no part file is opened then."""
     files = {kind: [str(layout.kind_dir(kind) / "_schema.parquet")] for kind in KINDS}
     return Listing(time.time(), files, 0, [str(rollups.schema_file(layout))], files[rollups.KIND],
-                   dict.fromkeys(KINDS, True))
+                   dict.fromkeys(KINDS, True), [str(rollups.schema_file(layout, SAMPLED_KIND))],
+                   files[SAMPLED_KIND])
 
 
 def _pin_target(con: duckdb.DuckDBPyConnection) -> tuple[str | None, str | None]:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 import pyarrow as pa
 
 from engine.stats import IterationStats, RequestStats
-from jobs.store.digests import DIGEST_COLUMNS
+from jobs.store.digests import DIGEST_COLUMNS, SAMPLE_FIELDS
 
 INTERNAL_PREFIX = "_bg_"
 PART_COLUMN = "_bg_part"
@@ -246,6 +246,12 @@ ROLLUPS = _schema(
     ("first_ts", F64), ("last_end", F64),
     *[(f"{prefix}_{c}", typ) for c in ROLLUP_AVERAGED for prefix, typ in (("sum", F64), ("n", I64))],
     *[(c, I64) for c in ROLLUP_SUMMED], ("last_ts", F64), *[(f"last_{c}", I64) for c in ROLLUP_LATEST],
+)
+# the sample twins of the compacted request digests (jobs.store.digests.sample_twin_select): one row per
+# sampled request row of the file's digests, its level (that of its digest's sample column) and its digest
+SAMPLED_KIND = "request_digests"
+SAMPLE_TWINS = _schema(
+    ("job_id", STR), ("requests_part", STR), ("level", I64), *SAMPLE_FIELDS,
 )
 # kinds whose parts belong to one job (grouped by job_id on disk, compacted per finished job)
 JOB_KINDS = ("job_records", "job_events", "shard_events", "commits", "outputs", "requests", "request_digests")
