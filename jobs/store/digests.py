@@ -155,16 +155,19 @@ def digest(requests: pa.Table) -> dict:
 
 SAMPLES_MACRO = "_bg.request_samples"  # (level): the sampled request rows of that level and up (catalog.py)
 SAMPLE_TWIN_LEVEL = "level"  # a sample twin's column: the level of the sample column a row comes from
+# what ties a sampled row to its digest's attempt: the digests' attempt id column (schemas.ATTEMPT_ID_COLUMN,
+# which imports this module). A job's figures read the attempts `requests_live` picks, each whole
+SAMPLE_KEY = "_bg_attempt_id"
 
 
 def sample_rows_select(source: str, min_level: str | int = MIN_LEVEL) -> str:
     """The sampled request rows of level >= `min_level` (an expression: a macro's parameter, constant
     in a query, so that the sample columns below it are not read) of the digests of `source` (a
     relation with the digests' columns): one row per sampled request row, with its digest's `job_id`
-    and `requests_part`, and SAMPLE_FIELDS."""
+    and attempt (SAMPLE_KEY), and SAMPLE_FIELDS."""
     columns = ", ".join(f"CASE WHEN {lv} >= {min_level} OR {lv} = {MAX_LEVEL} THEN {sample_column(lv)} END"
                         for lv in LEVELS)
-    return (f"SELECT job_id, requests_part, unnest(s, recursive := true) FROM (SELECT job_id, requests_part, "
+    return (f"SELECT job_id, {SAMPLE_KEY}, unnest(s, recursive := true) FROM (SELECT job_id, {SAMPLE_KEY}, "
             f"unnest(flatten([{columns}])) AS s FROM {source})")
 
 
@@ -174,19 +177,20 @@ def sample_twin_select(source: str) -> str:
     level of its sample column (SAMPLE_TWIN_LEVEL: MAX_LEVEL for every level from there up), highest
     levels first, so that a query at level L reads the twin's first row groups only."""
     per_level = "\n    UNION ALL ".join(
-        f"SELECT job_id, requests_part, {lv}::BIGINT AS {SAMPLE_TWIN_LEVEL}, "
+        f"SELECT job_id, {SAMPLE_KEY}, {lv}::BIGINT AS {SAMPLE_TWIN_LEVEL}, "
         f"unnest({sample_column(lv)}) AS s FROM {source}" for lv in LEVELS)
-    return f"""SELECT job_id, requests_part, {SAMPLE_TWIN_LEVEL}, s.* FROM (
+    return f"""SELECT job_id, {SAMPLE_KEY}, {SAMPLE_TWIN_LEVEL}, s.* FROM (
     {per_level}
 ) ORDER BY {SAMPLE_TWIN_LEVEL} DESC"""
 
 
 def sampled_rows_sql(level: int, digests: str = "d") -> str:
     """The sampled request rows of level >= `level` of one job ($job_id) as a relation (SAMPLE_FIELDS):
-    those of the digests in `digests` (a relation of the job's chosen digests, with `requests_part`),
-    from SAMPLES_MACRO, which reads them flat from the sample twins where the listing has them."""
+    those of the attempts in `digests` (a relation of the job's chosen digests, with SAMPLE_KEY: every
+    digest of an attempt is chosen or none), from SAMPLES_MACRO, which reads them flat from the sample
+    twins where the listing has them."""
     if not MIN_LEVEL <= level <= MAX_LEVEL:
         raise ValueError(f"sample level {level} is outside {MIN_LEVEL}..{MAX_LEVEL}")
     fields = ", ".join(name for name, _ in SAMPLE_FIELDS)
     return (f"SELECT {fields} FROM {SAMPLES_MACRO}({level}) AS s SEMI JOIN {digests} AS sd "
-            f"USING (requests_part) WHERE s.job_id = $job_id")
+            f"USING ({SAMPLE_KEY}) WHERE s.job_id = $job_id")

@@ -251,7 +251,7 @@ ROLLUPS = _schema(
 # sampled request row of the file's digests, its level (that of its digest's sample column) and its digest
 SAMPLED_KIND = "request_digests"
 SAMPLE_TWINS = _schema(
-    ("job_id", STR), ("requests_part", STR), ("level", I64), *SAMPLE_FIELDS,
+    ("job_id", STR), (ATTEMPT_ID_COLUMN, STR), ("level", I64), *SAMPLE_FIELDS,
 )
 # kinds whose parts belong to one job (grouped by job_id on disk, compacted per finished job)
 JOB_KINDS = ("job_records", "job_events", "shard_events", "commits", "outputs", "requests", "request_digests")

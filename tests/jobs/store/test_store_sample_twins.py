@@ -17,6 +17,7 @@ from jobs.store import Store, StoreError, check_store, collect_garbage, connect,
 from jobs.store import digests as dg
 from jobs.store.compact import compact_group
 from jobs.store.listing import LISTED_CATALOG, over_listing, pin
+from jobs.store.schemas import ATTEMPT_ID_COLUMN
 from tests.jobs.store.test_store_digests import _write_job
 
 catalog = importlib.import_module("jobs.store.catalog")
@@ -89,6 +90,10 @@ def test_the_samples_agree_through_compaction_and_collection(tmp_path, no_delays
     collect_garbage(tmp_path, grace_s=0.0)
     assert _twins(store) == _compacted(store) and len(_twins(store)) == 1  # the merged file's twin went
     assert _agree(con) > 20
+
+
+def test_the_sample_key_is_the_attempt_id():
+    assert dg.SAMPLE_KEY == ATTEMPT_ID_COLUMN
 
 
 def test_a_twin_holds_every_sampled_row_highest_levels_first(tmp_path, no_delays):
