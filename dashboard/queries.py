@@ -25,6 +25,7 @@ from jobs.store import (
     SHARDS_PAGE,
     SHARDS_PAGE_ORDER,
     TIMED_OUTPUT,
+    WORKER_LATEST_SHARDS,
     over_scans,
     sampled_rows_sql,
 )
@@ -405,11 +406,9 @@ WITH {JOB_SHARDS_CTES}
 SELECT worker_id, job_id, shard_id, status, attempts, epoch(started_at) AS started_ts
 FROM u WHERE worker_id IS NOT NULL AND status = 'running' ORDER BY worker_id, job_id, shard_id
 """
-WORKER_LATEST_JOB = """
-SELECT s.worker_id, arg_max(s.job_id, s.started_at) AS job_id, arg_max(j.config, s.started_at) AS config,
-       arg_max(j.model, s.started_at) AS model
-FROM shards AS s LEFT JOIN _bg.job_records AS j USING (job_id)
-WHERE s.worker_id IS NOT NULL AND s.started_at IS NOT NULL GROUP BY s.worker_id
+WORKER_LATEST_JOB = f"""
+SELECT s.worker_id, s.job_id, j.config, j.model
+FROM ({WORKER_LATEST_SHARDS}) AS s LEFT JOIN _bg.job_records AS j USING (job_id)
 """
 
 # ---------------------------------------------------------------- /metrics

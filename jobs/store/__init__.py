@@ -80,6 +80,7 @@ from jobs.store.catalog import (
     SHARDS_PAGE_ORDER,
     STATUS_BINDS,
     STATUS_VIEWS,
+    WORKER_LATEST_SHARDS,
     connect,
     connect_reporting,
     jobs_over,
@@ -132,7 +133,7 @@ from jobs.store.workers import WorkerRecord, no_worker_warning, read_worker_reco
 __all__ = [
     "DEFAULT_ADDRESS_SPACE_BYTES", "DEFAULT_MAX_CONCURRENT", "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_MEMORY_LIMIT",
-    "QueryBusy", "SHARD_WORKERS", "SHARDS_PAGE", "SHARDS_PAGE_ORDER",
+    "QueryBusy", "SHARD_WORKERS", "SHARDS_PAGE", "SHARDS_PAGE_ORDER", "WORKER_LATEST_SHARDS",
     "STATUS_BINDS", "STATUS_VIEWS", "SqlLimits", "connect_reporting", "run_sandboxed",
     "unreadable_part_message",
     "CheckReport", "check_store", "missing_rows", "quarantine",

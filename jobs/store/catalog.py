@@ -654,6 +654,24 @@ SELECT DISTINCT worker_id FROM (
 """
 
 
+# Each worker's latest started shard (`started_at`) and its job: `SELECT worker_id, arg_max(job_id,
+# (started_at, job_id)) AS job_id, max(started_at) AS started_at FROM shards WHERE worker_id IS NOT NULL
+# AND started_at IS NOT NULL GROUP BY worker_id`, from the `running` events alone (a shard's first is its
+# start, the latest attempt's names its worker where its winning commit names none, as in the shards'
+# event aggregate), without that aggregate over every shard's events (the dashboard's workers page)
+WORKER_LATEST_SHARDS = """
+WITH r AS (
+    SELECT job_id, shard_id, min(ts) AS started_ts, arg_max(worker_id, (attempt, ts)) AS last_worker
+    FROM _bg.scan_shard_events WHERE event = 'running' GROUP BY job_id, shard_id
+), s AS (
+    SELECT coalesce(w.worker_id, r.last_worker) AS worker_id, r.job_id, r.started_ts
+    FROM r LEFT JOIN _bg.winners AS w ON w.job_id = r.job_id AND w.shard_id = r.shard_id
+)
+SELECT worker_id, arg_max(job_id, (started_ts, job_id)) AS job_id, to_timestamp(max(started_ts)) AS started_at
+FROM s WHERE worker_id IS NOT NULL GROUP BY worker_id
+"""
+
+
 # `SELECT job_id, status, count(*) AS n FROM shards GROUP BY ALL` without a row per committed shard (the
 # dashboard's shard counts by state)
 _SHARD_STATUS_COUNTS = f"""

@@ -402,3 +402,8 @@ def test_the_jobs_shard_counts_and_the_uncommitted_shards_are_those_of_the_shard
         params = {"job_id": job, "limit": 5}
         assert (con.execute(catalog.SHARD_WORKERS, params).fetchall()
                 == con.execute(workers, params).fetchall())
+    # and each worker's latest started shard's job (`WORKER_LATEST_SHARDS`)
+    latest = ("SELECT worker_id, arg_max(job_id, (started_at, job_id)), max(started_at) FROM shards "
+              "WHERE worker_id IS NOT NULL AND started_at IS NOT NULL GROUP BY worker_id ORDER BY ALL")
+    assert (con.execute(f"SELECT * FROM ({catalog.WORKER_LATEST_SHARDS}) ORDER BY ALL").fetchall()
+            == con.execute(latest).fetchall())
