@@ -356,20 +356,25 @@ SELECT * FROM ({computed}) WHERE NOT {_PINNED}
 
 def _samples_macro_sql(layout: Layout, pinned: bool, broken: dict[str, str]) -> str:
     """The body of `SAMPLES_MACRO(lvl)`: the sampled request rows of level >= lvl of every request digest
-    (`digests.sample_rows_select`). The listed catalog's (`pinned`) read the sample twins of the listed
-    compacted digests files (`jobs.store.rollups`), and the samples of the other listed digests files:
-    the listing holds each part in one file, and a twin the same digests as its file. The default
-    catalog's (over any listing, or none) read those of the digests' scan, as does the listed one's
-    where the digests are unreadable (the scan's stand-in names the file)."""
+    (`digests.sample_rows_select`). The listed catalog's (`pinned`) read, at a level a sample twin holds
+    (`digests.TWIN_MIN_LEVEL` and up), the twins of the listed compacted digests files
+    (`jobs.store.rollups`), else those files' sample columns, and the samples of the other listed
+    digests files: the listing holds each part in one file, and a twin the same digests as its file.
+    The default catalog's (over any listing, or none) read those of the digests' scan, as does the
+    listed one's where the digests are unreadable (the scan's stand-in names the file)."""
     kind = rollups.SAMPLED_KIND
     if not pinned or kind in broken:
         return digests.sample_rows_select(f"_bg.scan_{kind}", "lvl")
     read = "union_by_name = true, hive_partitioning = false"
     twins = _listed_files_sql(kind, "digest_twins")
     untwinned = f"read_parquet({_listed_files_sql(kind, 'digests_untwinned')}, {read})"
+    twinned = f"read_parquet({_listed_files_sql(kind, 'digests_twinned')}, {read})"
+    # `lvl` is a constant of the query: the branch it rules out reads nothing
     return f"""
 SELECT * EXCLUDE ({digests.SAMPLE_TWIN_LEVEL}) FROM read_parquet({twins}, {read})
-WHERE {digests.SAMPLE_TWIN_LEVEL} >= lvl
+WHERE {digests.SAMPLE_TWIN_LEVEL} >= lvl AND lvl >= {digests.TWIN_MIN_LEVEL}
+UNION ALL BY NAME
+SELECT * FROM ({digests.sample_rows_select(twinned, "lvl")}) WHERE lvl < {digests.TWIN_MIN_LEVEL}
 UNION ALL BY NAME
 {digests.sample_rows_select(untwinned, "lvl")}
 """

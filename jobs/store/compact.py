@@ -486,6 +486,7 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path, *,
         rows = con.execute(f"SELECT count(*) FROM read_parquet('{tmp}')").fetchall()[0][0]
         _fsync(tmp)
         if kind in rollups.TWINNED_KINDS:  # its twin, renamed in before it (jobs.store.rollups)
+            con.execute("SET preserve_insertion_order = true")  # a twin's ORDER BY is kept as written
             con.execute(f"COPY ({rollups.twin_select(kind, f'read_parquet({_q(tmp)})')}) TO {_q(twin_tmp)} "
                         f"({rollups.twin_copy_options(kind)})")
             _fsync(twin_tmp)

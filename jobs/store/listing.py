@@ -88,15 +88,17 @@ class Listing:
     # kind -> no part of it is in two of its listed files (see the module docstring)
     disjoint: dict[str, bool] = field(default_factory=dict)
     # the same for the request digests' sample twins (their schema file first) and the listed digests
-    # files without one
+    # files without one; and those with one (the digests' schema file first)
     digest_twins: list[str] = field(default_factory=list)
     digests_untwinned: list[str] = field(default_factory=list)
+    digests_twinned: list[str] = field(default_factory=list)
 
     def variable(self) -> dict:
         return {"listed_at": self.listed_at, **self.files, "iteration_twins": self.iteration_twins,
                 "iterations_untwinned": self.iterations_untwinned,
                 "disjoint": {kind: self.disjoint.get(kind, False) for kind in KINDS},
-                "digest_twins": self.digest_twins, "digests_untwinned": self.digests_untwinned}
+                "digest_twins": self.digest_twins, "digests_untwinned": self.digests_untwinned,
+                "digests_twinned": self.digests_twinned}
 
 
 def list_files(layout: Layout, job_id: str | None = None) -> Listing:
@@ -125,8 +127,14 @@ def list_files(layout: Layout, job_id: str | None = None) -> Listing:
     renaming, suspect = first.renaming | second.renaming, first.suspect | second.suspect
     disjoint = {kind: _disjoint(layout, kind, paths, overlapping, renaming, suspect)
                 for kind, paths in kept.items()}
+    untwinned_set = set(digests_untwinned)
+    twinned = [_schema_file(layout, SAMPLED_KIND), *(p for p in kept[SAMPLED_KIND] if p not in untwinned_set)]
     return Listing(listed_at, kept, len(merged & listed), twins, untwinned, disjoint, digest_twins,
-                   digests_untwinned)
+                   digests_untwinned, twinned)
+
+
+def _schema_file(layout: Layout, kind: str) -> str:
+    return str(layout.kind_dir(kind) / "_schema.parquet")
 
 
 def _twins(layout: Layout, kept: dict[str, list[str]], kind: str) -> tuple[list[str], list[str]]:
@@ -378,10 +386,10 @@ def over_listing(con: duckdb.DuckDBPyConnection, layout: Layout | None = None, *
 def schema_listing(layout: Layout) -> Listing:
     """A listing of each kind's `_schema.parquet` only, every kind disjoint: what the listed catalog's
     views are bound over when they are created (catalog.py), so that no part file is opened then."""
-    files = {kind: [str(layout.kind_dir(kind) / "_schema.parquet")] for kind in KINDS}
+    files = {kind: [_schema_file(layout, kind)] for kind in KINDS}
     return Listing(time.time(), files, 0, [str(rollups.schema_file(layout))], files[rollups.KIND],
                    dict.fromkeys(KINDS, True), [str(rollups.schema_file(layout, SAMPLED_KIND))],
-                   files[SAMPLED_KIND])
+                   files[SAMPLED_KIND], files[SAMPLED_KIND])
 
 
 def _pin_target(con: duckdb.DuckDBPyConnection) -> tuple[str | None, str | None]:

@@ -32,6 +32,14 @@ def no_delays(monkeypatch):
     monkeypatch.setattr(compact_mod, "LIVE_GRACE_S", 0.0)
 
 
+LOW = 4  # a lower TWIN_MIN_LEVEL than the product's, so that these small jobs' twins hold rows of each level
+
+
+@pytest.fixture
+def low_twins(monkeypatch):
+    monkeypatch.setattr(dg, "TWIN_MIN_LEVEL", LOW)
+
+
 def _store(tmp_path, seed: int = 11) -> Store:
     _write_job(tmp_path, random.Random(seed))
     return Store(tmp_path, compact_as_written=False)
@@ -75,7 +83,11 @@ def _compacted(store: Store) -> list[str]:
     return sorted(p.name for p in store.layout.kind_dir(KIND).glob("compacted/*/*.parquet"))
 
 
-def test_the_samples_agree_through_compaction_and_collection(tmp_path, no_delays):
+@pytest.mark.parametrize("twin_min_level", [LOW, dg.TWIN_MIN_LEVEL])
+def test_the_samples_agree_through_compaction_and_collection(tmp_path, no_delays, monkeypatch,
+                                                             twin_min_level):
+    """At every level: from the twins at theirs, from the compacted files' sample columns below."""
+    monkeypatch.setattr(dg, "TWIN_MIN_LEVEL", twin_min_level)
     store = _store(tmp_path)
     con = connect(tmp_path)
     assert _agree(con) > 20 and _twins(store) == []  # raw parts only: their sample columns
@@ -96,7 +108,7 @@ def test_the_sample_key_is_the_attempt_id():
     assert dg.SAMPLE_KEY == ATTEMPT_ID_COLUMN
 
 
-def test_a_twin_holds_every_sampled_row_highest_levels_first(tmp_path, no_delays):
+def test_a_twin_holds_every_sampled_row_of_its_levels_highest_first(tmp_path, no_delays, low_twins):
     store = _store(tmp_path)
     compact_group(store.layout, KIND, "j", grace_s=0.0)
     (twin,) = rollups.rollup_dir(store.layout, KIND).glob("j/*.parquet")
@@ -105,14 +117,14 @@ def test_a_twin_holds_every_sampled_row_highest_levels_first(tmp_path, no_delays
     schema = pq.read_schema(rollups.schema_file(store.layout, KIND))
     assert [(f.name, f.type) for f in table.schema] == [(f.name, f.type) for f in schema]
     levels = table.column(dg.SAMPLE_TWIN_LEVEL).to_pylist()
-    assert levels == sorted(levels, reverse=True) and set(levels) <= set(dg.LEVELS)
+    assert levels == sorted(levels, reverse=True) and set(levels) <= set(range(LOW, dg.MAX_LEVEL + 1))
     digests = pq.read_table(compacted)
     per_level = {lv: sum(len(x) for x in digests.column(dg.sample_column(lv)).to_pylist())
-                 for lv in dg.LEVELS}
-    assert {lv: levels.count(lv) for lv in dg.LEVELS} == per_level and sum(per_level.values()) > 20
+                 for lv in dg.LEVELS if lv >= LOW}
+    assert {lv: levels.count(lv) for lv in per_level} == per_level and sum(per_level.values()) > 10
 
 
-def test_the_twin_is_what_the_listed_catalog_reads_for_its_file(tmp_path, no_delays):
+def test_the_twin_is_what_the_listed_catalog_reads_for_its_file_at_its_levels(tmp_path, no_delays, low_twins):
     store = _store(tmp_path)
     compact_group(store.layout, KIND, "j", grace_s=0.0)
     collect_garbage(tmp_path, grace_s=0.0)
@@ -122,11 +134,12 @@ def test_the_twin_is_what_the_listed_catalog_reads_for_its_file(tmp_path, no_del
     duckdb.execute(f"COPY (SELECT * REPLACE (e2e_s + 1 AS e2e_s) FROM read_parquet('{twin}')) "
                    f"TO '{tmp_path / 'x.parquet'}' (FORMAT parquet)")
     os.replace(tmp_path / "x.parquet", twin)
-    assert _sampled(con, dg.MIN_LEVEL) != _reference(con, dg.MIN_LEVEL)
-    assert _sampled(con, dg.MIN_LEVEL, listed=False) == _reference(con, dg.MIN_LEVEL)
+    assert _sampled(con, LOW) != _reference(con, LOW)
+    assert _sampled(con, LOW, listed=False) == _reference(con, LOW)
+    assert _sampled(con, LOW - 1) == _reference(con, LOW - 1)  # below the twin's levels: the file's columns
 
 
-def test_a_compacted_file_without_its_twin_reads_its_sample_columns(tmp_path, no_delays):
+def test_a_compacted_file_without_its_twin_reads_its_sample_columns(tmp_path, no_delays, low_twins):
     """Compacted by a batchgen before the twins, or renamed in after the listing looked for twins."""
     store = _store(tmp_path)
     compact_group(store.layout, KIND, "j", grace_s=0.0)
@@ -137,6 +150,7 @@ def test_a_compacted_file_without_its_twin_reads_its_sample_columns(tmp_path, no
     with over_listing(con) as listing:
         assert any("/compacted/j/" in p for p in listing.digests_untwinned)
         assert listing.digest_twins == [str(rollups.schema_file(store.layout, KIND))]
+        assert listing.digests_twinned == [str(store.layout.kind_dir(KIND) / "_schema.parquet")]
 
 
 def test_orphaned_sample_twins_are_collected(tmp_path, no_delays, monkeypatch):
@@ -151,7 +165,7 @@ def test_orphaned_sample_twins_are_collected(tmp_path, no_delays, monkeypatch):
     assert _twins(store) == []
 
 
-def test_a_corrupt_sample_twin_is_named_and_moved_aside_by_the_check(tmp_path, no_delays):
+def test_a_corrupt_sample_twin_is_named_and_moved_aside_by_the_check(tmp_path, no_delays, low_twins):
     store = _store(tmp_path)
     compact_group(store.layout, KIND, "j", grace_s=0.0)
     collect_garbage(tmp_path, grace_s=0.0)
@@ -159,7 +173,7 @@ def test_a_corrupt_sample_twin_is_named_and_moved_aside_by_the_check(tmp_path, n
     twin.write_bytes(twin.read_bytes()[:40])
     con = connect(tmp_path)
     with pytest.raises(duckdb.Error, match=twin.name):
-        _sampled(con, dg.MIN_LEVEL)
+        _sampled(con, LOW)
     (bad,) = check_store(tmp_path).bad
     assert bad.path == twin and bad.fate == "re-derivable" and "sampled request rows" in bad.detail
 
