@@ -175,7 +175,8 @@ def sample_rows_select(source: str, min_level: str | int = MIN_LEVEL) -> str:
 # a job of more than 2**(TWIN_MIN_LEVEL - 1) * SAMPLE_ROWS request rows (`sample_level`: 2.1M); a
 # smaller job's read its digests' sample columns, as many as a twin would hold at its level. A twin
 # holds 1 in 2**TWIN_MIN_LEVEL request rows: writing every level from MIN_LEVEL, 8 times as many, doubled
-# the CPU of a merge of digests (75,704 of them: 2.0 -> 4.1 s)
+# the CPU of a merge of digests (75,704 of them: 2.0 -> 4.1 s). Raising it later is safe (a twin's lower
+# levels are left unread); lowering it is not until every twin is written anew (they lack those levels)
 TWIN_MIN_LEVEL = 6
 
 

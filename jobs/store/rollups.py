@@ -24,10 +24,10 @@ computes. A twin is derived data: deleted with its compacted file (`compact`'s g
 and a twin whose compacted file is gone is deleted after `ORPHAN_MAX_AGE_S`.
 
 The compacted request digests get twins the same way, under store/rollups/request_digests/: their
-*sample twins* (`jobs.store.digests.sample_twin_select`), the digests' sampled request rows of the levels
+*sample twins* (`jobs.store.digests.sample_twin_select`): the digests' sampled request rows of the levels
 a large job's figures read, flat, highest levels first, which those figures read (`catalog`'s
-`_bg.request_samples`) instead of every digest's sample columns. `TWINNED_KINDS` lists the kinds with twins; what follows takes the
-kind (the iterations' by default).
+`_bg.request_samples`) instead of every digest's sample columns. `TWINNED_KINDS` lists the kinds with
+twins; what follows takes the kind (the iterations' by default).
 """
 
 from __future__ import annotations
