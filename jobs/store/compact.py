@@ -57,7 +57,7 @@ import duckdb
 
 from jobs.store import catalog, rollups
 from jobs.store.catalog import connect, write_catalog
-from jobs.store.layout import Layout, StoreError, check_id, init_data_dir, new_uid, write_atomic
+from jobs.store.layout import Layout, StoreError, check_id, codec, init_data_dir, new_uid, write_atomic
 from jobs.store.listing import (
     MARKED_UID_PREFIX,
     RENAMING_SUFFIX,
@@ -477,7 +477,7 @@ def _merge(layout: Layout, kind: str, inputs: list[Path], out_dir: Path, *,
                                              "preserve_insertion_order": False})
     try:
         try:
-            con.execute(f"COPY ({select}) TO '{tmp}' (FORMAT parquet, COMPRESSION zstd, "
+            con.execute(f"COPY ({select}) TO '{tmp}' (FORMAT parquet, COMPRESSION {codec(kind)}, "
                         f"ROW_GROUP_SIZE 100000, ROW_GROUP_SIZE_BYTES '{MERGE_ROW_GROUP_BYTES}')")
         except duckdb.OutOfMemoryException as exc:
             raise StoreError(f"merging {len(inputs)} {kind} file(s) into {out_dir} needs more than "

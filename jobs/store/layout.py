@@ -31,6 +31,19 @@ ROLLUPS_DIR = "rollups"  # under store/: rollup twins of compacted files (jobs.s
 DEFAULT_DATA_DIR = "./data"
 DATA_DIR_ENV = "BATCHGEN_DATA_DIR"
 
+# The Parquet codec of each kind's files (raw parts, compacted files, twins). The kinds every dashboard
+# query and `status` reads (the commits, shard events, job records and events, request digests and
+# the twins of the compacted files, jobs.store.rollups) are written uncompressed: their files are a
+# small share of a data dir, and decompressing them was a share of each query's CPU (docs/benchmarks.md,
+# "Uncompressed metadata"); the rows users read in bulk (outputs, requests, iterations, sweeps) stay zstd.
+UNCOMPRESSED_KINDS = frozenset({"job_records", "job_events", "shard_events", "commits", "request_digests"})
+
+
+def codec(kind: str) -> str:
+    """The Parquet codec of `kind`'s files, as DuckDB's COPY and pyarrow name it."""
+    return "uncompressed" if kind in UNCOMPRESSED_KINDS else "zstd"
+
+
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -135,12 +148,12 @@ def write_atomic(path: Path, data: bytes, tmp_dir: Path) -> None:
     os.replace(tmp, path)
 
 
-def write_table_atomic(table: pa.Table, path: Path, tmp_dir: Path) -> None:
+def write_table_atomic(table: pa.Table, path: Path, tmp_dir: Path, compression: str = "zstd") -> None:
     """Write a Parquet file under a temporary name outside every glob and rename it into place."""
     tmp = tmp_dir / f"{new_uid()}.{path.name}.tmp"
     try:
         with open(tmp, "wb") as fh:
-            pq.write_table(table, fh, compression="zstd")
+            pq.write_table(table, fh, compression="none" if compression == "uncompressed" else compression)
             fh.flush()
             os.fsync(fh.fileno())
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -52,6 +52,7 @@ from jobs.store.layout import (
     Layout,
     StoreError,
     check_id,
+    codec,
     init_data_dir,
     new_uid,
     path_safe,
@@ -187,7 +188,8 @@ class PartWriter:
         """Write `table` (with its `_bg_part` column filled here) as the next part; its name."""
         name = self.next_name()
         table = _set_column(table, PART_COLUMN, pa.array([name] * table.num_rows, pa.string()))
-        write_table_atomic(table, self.layout.raw_dir(self.kind, self.group) / name, self.layout.tmp)
+        write_table_atomic(table, self.layout.raw_dir(self.kind, self.group) / name, self.layout.tmp,
+                           codec(self.kind))
         self.seq += 1
         return name
 

@@ -83,7 +83,7 @@ _ROW_GROUP_ROWS = {SAMPLED_KIND: 8192}
 def twin_copy_options(kind: str) -> str:
     """The options of the COPY that writes a twin of `kind`."""
     rows = _ROW_GROUP_ROWS.get(kind)
-    return "FORMAT parquet, COMPRESSION zstd" + (f", ROW_GROUP_SIZE {rows}" if rows else "")
+    return "FORMAT parquet, COMPRESSION uncompressed" + (f", ROW_GROUP_SIZE {rows}" if rows else "")
 
 
 def twin_select(kind: str, source: str) -> str:

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from benchmarks.store_queries import main as bench_main
+from engine.stats import RequestStats
 from jobs.store import catalog, listing
 from jobs.store.catalog import connect
 from jobs.store.compact import collect_garbage, compact, compact_group, compact_job, compact_telemetry
@@ -72,6 +73,32 @@ def test_compacting_a_finished_job_merges_its_parts_and_keeps_answers(tmp_path):
     assert _snapshot(tmp_path) == before
     assert store.committed("job-a", 1).num_outputs == 3  # workers still find commits once compacted
     assert compact_job(tmp_path, "job-a").groups == 0  # nothing new
+
+
+def _codecs(paths) -> set[str]:
+    return {pq.ParquetFile(p).metadata.row_group(0).column(i).compression
+            for p in paths for i in range(pq.ParquetFile(p).metadata.num_columns)
+            if pq.ParquetFile(p).metadata.num_row_groups}
+
+
+def test_the_kinds_every_query_reads_are_written_uncompressed_and_the_bulk_rows_zstd(tmp_path):
+    store = Store(tmp_path)
+    _fill(store, "job-a")
+    att = store.begin_attempt("job-a", 0, 2, "w")
+    att.add_request("0-0", "stop", RequestStats(arrival_ts=1.0, finished_ts=2.0, output_tokens=3))
+    att.commit()
+    raw = {kind: _files(store.layout, kind, "job-a", "raw") for kind in
+           ("commits", "shard_events", "request_digests", "outputs", "requests")}
+    compact_job(tmp_path, "job-a")
+    compacted = {kind: _files(store.layout, kind, "job-a", "compacted") for kind in raw}
+    twins = sorted((store.layout.rollup_dir("request_digests")).rglob("*.parquet"))
+    for kind in ("commits", "shard_events", "request_digests"):
+        assert raw[kind] and compacted[kind]
+        assert _codecs(raw[kind] + compacted[kind]) == {"UNCOMPRESSED"}, kind
+    for kind in ("outputs", "requests"):
+        assert _codecs(raw[kind] + compacted[kind]) == {"ZSTD"}, kind
+    assert [t for t in twins if t.name != "_schema.parquet"]
+    assert _codecs(t for t in twins if t.name != "_schema.parquet") <= {"UNCOMPRESSED"}
 
 
 def _mark_raw(paths) -> None:
