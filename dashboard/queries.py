@@ -25,6 +25,7 @@ from jobs.store import (
     SHARDS_PAGE,
     SHARDS_PAGE_ORDER,
     TIMED_OUTPUT,
+    UNCOMMITTED_DIGESTS,
     WORKER_LATEST_SHARDS,
     over_scans,
     sampled_rows_sql,
@@ -34,17 +35,21 @@ from jobs.store import (
 
 # Progress and totals of every job (or one: see JOB_SUMMARY). rows_done is the larger of the committed
 # output rows and the finished requests of `requests_live` (committed shards plus the latest attempt of
-# running ones), as their digests count them. Each side counts distinct rows from one scan of its own, so
-# neither overcounts; adding committed rows to the uncommitted ones instead would count a shard twice when
-# the two scans of the commits (one per view) straddle its commit. error_rows: the winning commits carry
-# their output rows with finish_reason 'error' (`jobs.error_rows`); a job with commits written before they
-# did (`counts_complete` false) is counted from the outputs instead (the _SCAN variants, which
-# dashboard.data runs for such jobs). The views are inlined, each computed once (`over_scans`): the
-# jobs and the live figures read the winning commits alike.
+# running ones): the winning commits' request rows, and the digests of the shards without one
+# (`UNCOMMITTED_DIGESTS`); output tokens alike (the commits' are their outputs'). Both sides read the one
+# computation of the winning commits (`once` below), so a shard counts on exactly one side; two reads of
+# the commits could straddle a shard's commit and count it on both or neither. error_rows: the winning
+# commits carry their output rows with finish_reason 'error' (`jobs.error_rows`); a job with commits
+# written before they did (`counts_complete` false) is counted from the outputs instead (the _SCAN
+# variants, which dashboard.data runs for such jobs). The views are inlined, each computed once
+# (`over_scans`): the jobs and the live figures read the winning commits alike.
 _JOBS_SUMMARY = """
 WITH live AS (
-    SELECT job_id, sum(num_rows) AS rows_live, coalesce(sum(output_tokens), 0) AS output_tokens_live
-    FROM _bg.request_digests_live {live_where} GROUP BY job_id
+    SELECT job_id, sum(n) AS rows_live, coalesce(sum(t), 0) AS output_tokens_live FROM (
+        SELECT job_id, num_request_rows AS n, output_tokens AS t FROM _bg.winners
+        UNION ALL
+        SELECT job_id, num_rows, output_tokens FROM ({uncommitted})
+    ) {live_where} GROUP BY job_id
 ){errors}
 SELECT j.job_id, j.status, j.model, j.num_requests, j.num_shards,
        j.shards_completed, j.shards_failed, j.shards_running,
@@ -63,8 +68,9 @@ _ERRORS_SCAN = """, errors AS (
     SELECT job_id, count(*) AS error_rows
     FROM outputs WHERE finish_reason = 'error' {error_filter} GROUP BY job_id
 )"""
-_ONE_JOB = {"live_where": "WHERE job_id = $job_id", "job_filter": "WHERE j.job_id = $job_id"}
-_EVERY_JOB = {"live_where": "", "job_filter": ""}
+_ONE_JOB = {"live_where": "WHERE job_id = $job_id", "job_filter": "WHERE j.job_id = $job_id",
+            "uncommitted": UNCOMMITTED_DIGESTS}
+_EVERY_JOB = {"live_where": "", "job_filter": "", "uncommitted": UNCOMMITTED_DIGESTS}
 _FROM_COMMITS = {"errors": "", "error_rows": "j.error_rows", "errors_join": ""}
 _FROM_OUTPUTS = {"error_rows": "coalesce(e.error_rows, 0)",
                  "errors_join": " LEFT JOIN errors AS e USING (job_id)"}

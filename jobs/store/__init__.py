@@ -80,6 +80,7 @@ from jobs.store.catalog import (
     SHARDS_PAGE_ORDER,
     STATUS_BINDS,
     STATUS_VIEWS,
+    UNCOMMITTED_DIGESTS,
     WORKER_LATEST_SHARDS,
     connect,
     connect_reporting,
@@ -133,7 +134,8 @@ from jobs.store.workers import WorkerRecord, no_worker_warning, read_worker_reco
 __all__ = [
     "DEFAULT_ADDRESS_SPACE_BYTES", "DEFAULT_MAX_CONCURRENT", "DEFAULT_MAX_RESULT_BYTES",
     "DEFAULT_MEMORY_LIMIT",
-    "QueryBusy", "SHARD_WORKERS", "SHARDS_PAGE", "SHARDS_PAGE_ORDER", "WORKER_LATEST_SHARDS",
+    "QueryBusy", "SHARD_WORKERS", "SHARDS_PAGE", "SHARDS_PAGE_ORDER", "UNCOMMITTED_DIGESTS",
+    "WORKER_LATEST_SHARDS",
     "STATUS_BINDS", "STATUS_VIEWS", "SqlLimits", "connect_reporting", "run_sandboxed",
     "unreadable_part_message",
     "CheckReport", "check_store", "missing_rows", "quarantine",

@@ -441,10 +441,26 @@ UNION ALL
 -- the window only over the uncommitted shards' rows (a large job's running ones): over every row it was
 -- the view's largest operator (75k digests: the view 100 -> 69 ms)
 SELECT *{drop} FROM j WHERE NOT committed
-QUALIFY (attempt, _bg_attempt_id) = max((attempt, _bg_attempt_id)) OVER (PARTITION BY job_id, shard_id)
+{latest}
 """
-_REQUESTS_LIVE = _LIVE_ATTEMPTS.format(scan="_bg.scan_requests", drop=" EXCLUDE (_bg_attempt_id)")
-_REQUEST_DIGESTS_LIVE = _LIVE_ATTEMPTS.format(scan="_bg.scan_request_digests", drop="")
+# a shard's latest attempt among its rows (`attempt`, `_bg_attempt_id`): the one live figures count while
+# the shard has no winning commit
+_LATEST_ATTEMPT = ("QUALIFY (attempt, _bg_attempt_id) = max((attempt, _bg_attempt_id)) "
+                   "OVER (PARTITION BY job_id, shard_id)")
+_REQUESTS_LIVE = _LIVE_ATTEMPTS.format(scan="_bg.scan_requests", drop=" EXCLUDE (_bg_attempt_id)",
+                                       latest=_LATEST_ATTEMPT)
+_REQUEST_DIGESTS_LIVE = _LIVE_ATTEMPTS.format(scan="_bg.scan_request_digests", drop="",
+                                              latest=_LATEST_ATTEMPT)
+
+# The rows of `_bg.request_digests_live` of the shards without a winning commit (each one's latest
+# attempt's digests), for a figure that takes the committed shards' totals from their winning commits
+# (their request rows, `num_request_rows`) and reads none of their digests: the job summaries' live rows
+# and tokens (75,704 digests at 95% of a 10M-request job: the summary 50 -> 47 ms at rest)
+UNCOMMITTED_DIGESTS = f"""
+SELECT d.* EXCLUDE (_bg_part)
+FROM _bg.scan_request_digests AS d ANTI JOIN _bg.winners AS w USING (job_id, shard_id)
+{_LATEST_ATTEMPT}
+"""
 
 # The last event of the latest attempt decides (a zombie attempt's late event does not win over a
 # newer attempt). A retry's `queued` event carries the attempt number about to run. Each key is

@@ -120,3 +120,45 @@ def test_an_attempt_that_cannot_write_a_digest_fails_and_commits_nothing(tmp_pat
     with pytest.raises(StoreError, match="disk full"):
         att.commit()
     assert connect(tmp_path).execute("SELECT count(*) FROM _bg.winners").fetchone() == (0,)
+
+
+def test_the_job_summaries_live_rows_and_tokens_are_those_of_requests_live(tmp_path):
+    """The summaries take a committed shard's rows and tokens from its winning commit and read only the
+    uncommitted shards' digests (`UNCOMMITTED_DIGESTS`): the totals of `requests_live` all the same,
+    through a killed attempt, a revoked commit, a shard committed twice and shards still running."""
+    from dashboard import queries
+
+    rng = random.Random(11)
+    store = Store(tmp_path)
+    store.record_job(JobRecord("j", "tiny", 800, 8, 1000.0))
+    # (shard, attempt, commit): 1's first attempt killed; 4's commit revoked, then its retry running;
+    # 5 committed by two attempts (the first commit wins); 6 and 7 running, 7 in two attempts
+    plan = [(0, 1, True), (1, 1, False), (1, 2, True), (2, 1, True), (3, 1, True), (4, 1, True),
+            (4, 2, False), (5, 1, True), (5, 2, True), (6, 1, False), (7, 1, False), (7, 2, False)]
+    for shard, attempt, commit in plan:
+        att = store.begin_attempt("j", shard, attempt, "w", num_requests=100)
+        for part in range(2):
+            for i in range(rng.randint(0, 30)):
+                stats = _stats(rng, 1000.0)
+                rid = f"{shard}-{part}-{i}"
+                att.add_outputs([{"request_id": rid, "output_text": "x", "finish_reason": "stop",
+                                  "prompt_tokens": stats.prompt_tokens, "output_tokens": stats.output_tokens,
+                                  "error": None}])
+                att.add_request(rid, "stop", stats)
+            att.flush()
+        if commit:
+            record = att.commit()
+            if shard == 4:
+                store.revoke_commit(record, "lost a part")
+    con = connect(tmp_path)
+    try:
+        live = con.execute("SELECT count(*), coalesce(sum(output_tokens), 0) FROM requests_live "
+                           "WHERE job_id = 'j'").fetchone()
+        committed = con.execute("SELECT rows_done, output_tokens FROM jobs WHERE job_id = 'j'").fetchone()
+        assert live[0] > committed[0] and live[1] > committed[1]  # the running shards add to both
+        for sql, params in ((queries.JOBS_SUMMARY, {"limit": 10}),
+                            (queries.JOB_SUMMARY, {"job_id": "j", "limit": 1})):
+            row = dict(zip([d[0] for d in con.execute(sql, params).description], con.fetchone(), strict=True))
+            assert (row["rows_done"], row["output_tokens"]) == live
+    finally:
+        con.close()
