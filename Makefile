@@ -31,12 +31,8 @@ demo: setup
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
-# The suite in TEST_WORKERS processes, each taking whole test files (`--dist loadfile`: a file's module
-# fixtures are built once): a process uses about one core, the test files' own worker processes aside
-# (docs/benchmarks.md, "The test suite"). TEST_WORKERS=0 runs it in this process.
-TEST_WORKERS ?= 2
 test: setup chromium
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest
 	$(MAKE) --no-print-directory test-triton-compat
 
 # The Triton kernel tests once more (interpreter) under the oldest Triton we support: the GPU
