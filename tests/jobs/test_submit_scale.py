@@ -4,6 +4,7 @@ manifest (no shard list) beside version 1 ones, and a reader that never holds th
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -186,6 +187,14 @@ def test_queued_events_as_columns_are_the_rows_of_their_shard_events(tmp_path):
         as_columns.record_queued_shards("job-c", pa.array([0, 1]), pa.array([4]), 1.0)
 
 
+def _apart(fn, *args):
+    """`fn(*args)` in a fresh interpreter (spawned), for a peak of Python's heap: tracemalloc counts every
+    thread of its process, and a pytest-xdist worker runs many test files in one process, whose leftover
+    threads allocated about 7.7 MB during one measurement here."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
 def _queue_peak(data_dir, num_shards: int) -> int:
     """Peak Python heap while the ledger queues a new job of `num_shards` shards (as publish_job does)."""
     ledger = ShardLedger(data_dir, f"job-{num_shards}")
@@ -198,13 +207,17 @@ def _queue_peak(data_dir, num_shards: int) -> int:
         tracemalloc.stop()
 
 
+def _queue_peaks(data_dir) -> tuple[int, int]:
+    _queue_peak(data_dir, 50)  # the store's layout and catalog, once
+    return _queue_peak(data_dir, 4_000), _queue_peak(data_dir, 40_000)
+
+
 def test_queueing_a_jobs_shards_holds_nothing_per_shard(tmp_path):
     """Ten times the shards, each time in one part of `queued` events: the same peak of Python's heap.
     An object per shard (a ShardEvent and its row dict, as before, about 500 bytes a shard) made it
     2.4 MB at 4,000 shards and 22 MB at 40,000."""
     data_dir = tmp_path / "data"
-    _queue_peak(data_dir, 50)  # the store's layout and catalog, once
-    small, large = _queue_peak(data_dir, 4_000), _queue_peak(data_dir, 40_000)
+    small, large = _apart(_queue_peaks, data_dir)
     assert large < small + 1_000_000, (small, large)
     parts = list(data_dir.rglob("*job-40000*shard_events*.parquet"))
     table = pa.concat_tables(pq.read_table(p) for p in parts)
@@ -241,13 +254,16 @@ def _peak_during_submit(tmp_path, rows: int) -> tuple[int, int]:
     return python_peak, arrow_peak[0]
 
 
-def test_submit_memory_does_not_grow_with_the_rows(tmp_path, monkeypatch):
+def _submit_peaks(tmp_path) -> tuple[tuple[int, int], tuple[int, int]]:
+    RequestIds.SPILL_ROWS = 8192  # both sizes write several spill row groups (in a process of its own)
+    _peak_during_submit(tmp_path, 3_000)  # lazy imports (DuckDB) and caches, before measuring
+    return _peak_during_submit(tmp_path, 60_000), _peak_during_submit(tmp_path, 240_000)
+
+
+def test_submit_memory_does_not_grow_with_the_rows(tmp_path):
     """Four times the rows (30 and 120 row groups): the same peak of Python's heap (a set or dict of
     the ids would add 180,000 entries, over 15 MB), and Arrow's pool never near the input's size."""
-    monkeypatch.setattr(RequestIds, "SPILL_ROWS", 8192)  # both sizes write several spill row groups
-    _peak_during_submit(tmp_path, 3_000)  # lazy imports (DuckDB) and caches, before measuring
-    small = _peak_during_submit(tmp_path, 60_000)
-    large = _peak_during_submit(tmp_path, 240_000)
+    small, large = _apart(_submit_peaks, tmp_path)
     assert large[0] < small[0] * 1.3 + 1_000_000, (small, large)
     assert large[1] < 8_000_000 < 240_000 * 70, (small, large)  # the input: about 70 bytes a row in Arrow
 
@@ -261,10 +277,17 @@ def test_the_input_is_read_without_keeping_what_was_read(tmp_path):
         for start in range(0, 200_000, 5_000):  # 40 row groups of poorly compressible prompts
             w.write_table(pa.table({"id": [f"i{start + i}" for i in range(5_000)],
                                     "prompt": pa.array(rng.integers(0, 10**15, 5_000)).cast(pa.string())}))
-    size, base, peak, rows = src.stat().st_size, pa.total_allocated_bytes(), 0, 0
+    size = src.stat().st_size
+    rows, peak = _apart(_read_peak, src)
+    assert rows == 200_000 and peak < size / 4, (peak, size)
+
+
+def _read_peak(src) -> tuple[int, int]:
+    """(rows, peak of Arrow's pool above where it started) while the input is read batch by batch."""
+    base, peak, rows = pa.total_allocated_bytes(), 0, 0
     for batch, _ in submit_mod._open_input(src).batches():
         peak, rows = max(peak, pa.total_allocated_bytes() - base), rows + batch.num_rows
-    assert rows == 200_000 and peak < size / 4, (peak, size)
+    return rows, peak
 
 
 def test_shard_sizes_are_the_shards_ids_and_row_counts(tmp_path):
