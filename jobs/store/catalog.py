@@ -947,7 +947,7 @@ def _unreadable_sql(layout: Layout, kind: str, message: str, relative_to: Path |
     """A stand-in for a kind's scan whose files cannot be read: it has the kind's base columns (those of
     `schema_file` when given), and every query that reads it fails with `message` (naming the file),
     while queries on views over other kinds (and `SELECT 1`) still answer."""
-    schema = str(schema_file or layout.kind_dir(kind) / "_schema.parquet")
+    schema = str(schema_file or layout.schema_file(kind))
     if relative_to is not None:
         schema = os.path.relpath(schema, relative_to)
     return (f"SELECT s.* FROM (SELECT 1 AS one WHERE error({_q(message)}) IS NULL) AS t "

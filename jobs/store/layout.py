@@ -39,8 +39,12 @@ DATA_DIR_ENV = "BATCHGEN_DATA_DIR"
 UNCOMPRESSED_KINDS = frozenset({"job_records", "job_events", "shard_events", "commits", "request_digests"})
 
 
+TWIN_CODEC = "uncompressed"
+SCHEMA_FILE = "_schema.parquet"  # a kind's (or its twins') zero-row file: the glob is never empty
+
+
 def codec(kind: str) -> str:
-    """The Parquet codec of `kind`'s files, as DuckDB's COPY and pyarrow name it."""
+    """The Parquet codec of `kind`'s files, as DuckDB's COPY and pyarrow name it (its twins': TWIN_CODEC)."""
     return "uncompressed" if kind in UNCOMPRESSED_KINDS else "zstd"
 
 
@@ -118,6 +122,12 @@ class Layout:
     def rollup_dir(self, kind: str) -> Path:
         """Where the twins of a kind's compacted files go (jobs.store.rollups)."""
         return self.store / ROLLUPS_DIR / kind
+
+    def schema_file(self, kind: str) -> Path:
+        return self.kind_dir(kind) / SCHEMA_FILE
+
+    def twin_schema_file(self, kind: str) -> Path:
+        return self.rollup_dir(kind) / SCHEMA_FILE
 
     def relative(self, path: Path) -> str:
         """How a file of the data dir is named in files the store writes (tombstones): relative to
@@ -211,9 +221,9 @@ def _write_version(layout: Layout) -> None:
 def _write_schema_files(layout: Layout) -> None:
     """A zero-row file per kind keeps its glob non-empty and fixes the base column types; one for the
     twins of each kind that has them keeps their list in a listing non-empty (jobs.store.rollups)."""
-    files = [(layout.kind_dir(kind) / "_schema.parquet", schema) for kind, schema in KIND_SCHEMAS.items()]
-    files.append((layout.rollup_dir(ROLLED_UP_KIND) / "_schema.parquet", ROLLUPS))
-    files.append((layout.rollup_dir(SAMPLED_KIND) / "_schema.parquet", SAMPLE_TWINS))
+    files = [(layout.schema_file(kind), schema) for kind, schema in KIND_SCHEMAS.items()]
+    files.append((layout.twin_schema_file(ROLLED_UP_KIND), ROLLUPS))
+    files.append((layout.twin_schema_file(SAMPLED_KIND), SAMPLE_TWINS))
     for path, schema in files:
         found = _schema_of(path) if path.exists() else None
         if found is not None and found.equals(schema, check_metadata=False):

@@ -128,13 +128,10 @@ def list_files(layout: Layout, job_id: str | None = None) -> Listing:
     disjoint = {kind: _disjoint(layout, kind, paths, overlapping, renaming, suspect)
                 for kind, paths in kept.items()}
     untwinned_set = set(digests_untwinned)
-    twinned = [_schema_file(layout, SAMPLED_KIND), *(p for p in kept[SAMPLED_KIND] if p not in untwinned_set)]
+    twinned = [str(layout.schema_file(SAMPLED_KIND)),
+               *(p for p in kept[SAMPLED_KIND] if p not in untwinned_set)]
     return Listing(listed_at, kept, len(merged & listed), twins, untwinned, disjoint, digest_twins,
                    digests_untwinned, twinned)
-
-
-def _schema_file(layout: Layout, kind: str) -> str:
-    return str(layout.kind_dir(kind) / "_schema.parquet")
 
 
 def _twins(layout: Layout, kept: dict[str, list[str]], kind: str) -> tuple[list[str], list[str]]:
@@ -224,7 +221,7 @@ def compacted_uid(path: str | os.PathLike) -> str | None:
 
 
 def _job_files(layout: Layout, kind: str, job_id: str) -> list[str]:
-    schema = layout.kind_dir(kind) / "_schema.parquet"
+    schema = layout.schema_file(kind)
     try:
         check_id("job_id", job_id)
     except StoreError:  # no such job can have parts
@@ -386,7 +383,7 @@ def over_listing(con: duckdb.DuckDBPyConnection, layout: Layout | None = None, *
 def schema_listing(layout: Layout) -> Listing:
     """A listing of each kind's `_schema.parquet` only, every kind disjoint: what the listed catalog's
     views are bound over when they are created (catalog.py), so that no part file is opened then."""
-    files = {kind: [_schema_file(layout, kind)] for kind in KINDS}
+    files = {kind: [str(layout.schema_file(kind))] for kind in KINDS}
     return Listing(time.time(), files, 0, [str(rollups.schema_file(layout))], files[rollups.KIND],
                    dict.fromkeys(KINDS, True), [str(rollups.schema_file(layout, SAMPLED_KIND))],
                    files[SAMPLED_KIND], files[SAMPLED_KIND])

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from jobs.store.digests import sample_twin_select
-from jobs.store.layout import Layout
+from jobs.store.layout import TWIN_CODEC, Layout
 from jobs.store.schemas import ROLLED_UP_KIND as KIND
 from jobs.store.schemas import ROLLUP_AVERAGED as AVERAGED
 from jobs.store.schemas import ROLLUP_LATEST as LATEST
@@ -56,7 +56,7 @@ def rollup_dir(layout: Layout, kind: str = KIND) -> Path:
 
 def schema_file(layout: Layout, kind: str = KIND) -> Path:
     """Zero twin rows (`init_data_dir` writes it): the twins' list of a listing is never empty."""
-    return rollup_dir(layout, kind) / "_schema.parquet"
+    return layout.twin_schema_file(kind)
 
 
 def twin_of(layout: Layout, compacted: str | os.PathLike) -> Path:
@@ -83,7 +83,7 @@ _ROW_GROUP_ROWS = {SAMPLED_KIND: 8192}
 def twin_copy_options(kind: str) -> str:
     """The options of the COPY that writes a twin of `kind`."""
     rows = _ROW_GROUP_ROWS.get(kind)
-    return "FORMAT parquet, COMPRESSION uncompressed" + (f", ROW_GROUP_SIZE {rows}" if rows else "")
+    return f"FORMAT parquet, COMPRESSION {TWIN_CODEC}" + (f", ROW_GROUP_SIZE {rows}" if rows else "")
 
 
 def twin_select(kind: str, source: str) -> str:

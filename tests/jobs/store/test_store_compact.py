@@ -76,9 +76,10 @@ def test_compacting_a_finished_job_merges_its_parts_and_keeps_answers(tmp_path):
 
 
 def _codecs(paths) -> set[str]:
-    return {pq.ParquetFile(p).metadata.row_group(0).column(i).compression
-            for p in paths for i in range(pq.ParquetFile(p).metadata.num_columns)
-            if pq.ParquetFile(p).metadata.num_row_groups}
+    """The codecs of the files' columns (a file of no rows has none)."""
+    metas = [pq.ParquetFile(p).metadata for p in paths]
+    return {m.row_group(0).column(i).compression
+            for m in metas if m.num_row_groups for i in range(m.num_columns)}
 
 
 def test_the_kinds_every_query_reads_are_written_uncompressed_and_the_bulk_rows_zstd(tmp_path):
